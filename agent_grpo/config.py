@@ -1,0 +1,96 @@
+"""Typed configuration: pydantic models with a docstring under every field, loaded from YAML.
+
+Every entry point owns exactly one config class derived from `ConfigModel`. Unknown keys are
+errors (a typo in a YAML file must never be silently ignored), and a validation error names the
+file and the dotted key that is wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+__all__ = ["ConfigError", "ConfigModel", "apply_overrides", "load_config"]
+
+
+class ConfigModel(BaseModel):
+    """Base for every config: strict keys, field docstrings become field descriptions."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=True,
+        protected_namespaces=(),
+    )
+
+
+C = TypeVar("C", bound=ConfigModel)
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be turned into a valid config."""
+
+
+def _parse_override_value(text: str) -> Any:
+    """Parse the right-hand side of `key=value` the way YAML would (`3` is an int, `a` a str)."""
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `data` with `dotted.key=value` overrides applied."""
+    out: dict[str, Any] = _deep_copy(data)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = _parse_override_value(value)
+    return out
+
+
+def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for err in error.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        lines.append(f"  {loc}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def validate_config(cls: type[C], data: dict[str, Any], source: str = "<dict>") -> C:
+    """Validate a plain dict into `cls`, raising ConfigError naming `source` and each bad key."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_describe(error, source)) from None
+
+
+def load_config(cls: type[C], path: str | Path, overrides: list[str] | None = None) -> C:
+    """Load a YAML file into `cls`, after applying `dotted.key=value` overrides."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return validate_config(cls, apply_overrides(raw, overrides or []), str(path))
+
+
+def dump_config(config: ConfigModel) -> str:
+    """Render a config back to YAML (the resolved config stored in each run directory)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,200 @@
+"""The trajectory record: one multi-turn episode as exact tokens, with where each token came from.
+
+A record is the unit that rollouts produce, the trainer consumes, the store writes as one JSON
+line, and replay renders. Per-token arrays (`token_ids`, `provenance`, the logprob arrays) all have
+length `num_tokens`. Logprob arrays hold `None` wherever a value does not exist (every non-model
+token for sampler logprobs), never a placeholder 0.0 that could leak into a loss.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "Lengths",
+    "Message",
+    "Provenance",
+    "Termination",
+    "ToolCallRecord",
+    "TrajectoryRecord",
+    "TurnRecord",
+]
+
+
+class Provenance(StrEnum):
+    """Where one token came from. Only `model` tokens are ever trained on."""
+
+    PROMPT = "prompt"
+    """The initial conversation (system + user), including the first generation prompt."""
+    MODEL = "model"
+    """Sampled by the policy; the only provenance with a sampler logprob and a loss."""
+    TEMPLATE = "template"
+    """Chat-template scaffolding between turns: end-of-turn, role headers, generation prompt."""
+    OBSERVATION = "observation"
+    """Content of a tool or environment message."""
+    PADDING = "padding"
+    """Batch padding; never part of a stored trajectory's meaning."""
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class Message(_Record):
+    """One chat message, in the shape `tokenizer.apply_chat_template` accepts."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    """Who speaks: the environment writes system/user/tool messages, the policy assistant ones."""
+    content: str
+    """The message text exactly as rendered into the chat template."""
+    name: str | None = None
+    """For tool messages, the name of the tool that produced the content."""
+
+    def to_template(self) -> dict[str, str]:
+        """The dict form handed to chat templates (no `None` values)."""
+        return self.model_dump(exclude_none=True)
+
+
+class ToolCallRecord(_Record):
+    """One tool call the model made, and what came of it."""
+
+    name: str
+    """Tool name as the model wrote it (may be unknown)."""
+    arguments: dict[str, Any] | None = None
+    """Parsed arguments, or None when they could not be parsed."""
+    raw: str = ""
+    """The exact text of the call as the model wrote it."""
+    result: str | None = None
+    """The tool's output as sent back to the model; None on error."""
+    error: str | None = None
+    """Why the call failed (parse error, unknown tool, bad arguments, exception, timeout)."""
+    error_kind: str | None = None
+    """Machine-readable error class: parse, unknown_tool, invalid_arguments, raised, timeout,
+    oversized."""
+    latency_s: float = 0.0
+    """Wall-clock seconds spent running the tool."""
+
+
+class TurnRecord(_Record):
+    """What happened in one assistant turn."""
+
+    index: int
+    """0-based turn number."""
+    model_text: str
+    """The decoded text of this turn's sampled tokens (for display; the ids are the truth)."""
+    token_start: int
+    """Index into `token_ids` of this turn's first model token."""
+    token_end: int
+    """Index one past this turn's last model token."""
+    finish_reason: str
+    """Why sampling stopped: stop (EOS or stop string), length (max tokens per turn)."""
+    tool_calls: list[ToolCallRecord] = Field(default_factory=list)
+    """Tool calls parsed from this turn, in order, with their results or errors."""
+    env_latency_s: float = 0.0
+    """Seconds the environment step took."""
+
+
+class Termination(_Record):
+    """How the episode ended."""
+
+    kind: Literal["terminated", "truncated", "error"]
+    """terminated: the task ended (final answer); truncated: a limit outside the task ended it
+    (max turns, max tokens, context); error: the environment or engine failed."""
+    reason: str
+    """Human-readable cause, e.g. `final_answer`, `max_turns`, `max_context`, or the exception."""
+
+
+class Lengths(_Record):
+    """Token and turn counts, by provenance."""
+
+    prompt: int = 0
+    """Number of `prompt` tokens."""
+    model: int = 0
+    """Number of `model` tokens (the ones trained on)."""
+    template: int = 0
+    """Number of `template` tokens."""
+    observation: int = 0
+    """Number of `observation` tokens."""
+    total: int = 0
+    """All tokens."""
+    turns: int = 0
+    """Assistant turns taken."""
+
+
+class TrajectoryRecord(_Record):
+    """One multi-turn episode: exact tokens with provenance, logprobs, reward and tool history."""
+
+    run_id: str = ""
+    """The run this record belongs to."""
+    step: int = 0
+    """Training step (or eval round) that produced it."""
+    group_id: str
+    """Id shared by the G samples of the same task in the same step; advantages use only these."""
+    task_id: str
+    """Prompt id: `{env_id}:{seed}`; the same task across steps has the same task id."""
+    index_in_group: int
+    """Position of this sample within its group (0..G-1)."""
+    group_size: int
+    """G, the number of samples in the group."""
+    env_id: str
+    """Gymnasium id of the environment, e.g. `agent_grpo/Calculator-v0`."""
+    seed: int
+    """Environment seed: the same seed always gives the same task."""
+    messages: list[Message]
+    """The whole conversation: prompt messages, assistant turns and observations."""
+    prompt_messages_count: int = 0
+    """How many leading messages of `messages` are the prompt."""
+    token_ids: list[int]
+    """Every token of the episode, exactly as the engine was conditioned on / sampled."""
+    provenance: list[Provenance]
+    """Origin of each token, same length as `token_ids`."""
+    sampler_logprobs: list[float | None]
+    """Logprob the sampling engine gave each `model` token (None elsewhere)."""
+    old_logprobs: list[float | None] | None = None
+    """Trainer's logprobs under the policy that sampled (filled by the trainer)."""
+    ref_logprobs: list[float | None] | None = None
+    """Reference-model logprobs (filled by the trainer when beta > 0)."""
+    sampling_temperature: float = 1.0
+    """Temperature the model tokens were drawn with; the trainer divides logits by it."""
+    reward: float = 0.0
+    """Total scalar reward used for the advantage."""
+    reward_components: dict[str, float] = Field(default_factory=dict)
+    """Every reward source's value before weighting (verifier, rules, reward models, judges)."""
+    verifier: dict[str, Any] = Field(default_factory=dict)
+    """The environment verifier's result (e.g. expected vs given answer, success flag)."""
+    success: bool = False
+    """Whether the verifier judged the task solved."""
+    advantage: float | None = None
+    """Group-relative advantage (filled by the trainer)."""
+    turns: list[TurnRecord] = Field(default_factory=list)
+    """Per-turn detail: sampled span, tool calls, latencies."""
+    termination: Termination
+    """Why the episode ended."""
+    lengths: Lengths
+    """Counts by provenance."""
+    malformed_tool_calls: int = 0
+    """Tool calls in this episode that failed to parse or validate."""
+    group_member_ids: list[str] = Field(default_factory=list)
+    """Ids (`{group_id}/{i}`) of every member of this record's group, this one included."""
+
+    @property
+    def uid(self) -> str:
+        """Stable id of this record: `{group_id}/{index_in_group}`."""
+        return f"{self.group_id}/{self.index_in_group}"
+
+    @property
+    def loss_mask(self) -> list[bool]:
+        """True exactly on `model` tokens; derived, so it can never disagree with provenance."""
+        return [p is Provenance.MODEL for p in self.provenance]
+
+    def to_json_line(self) -> str:
+        """Serialize to one JSON line (no newline inside)."""
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json_line(cls, line: str) -> TrajectoryRecord:
+        """Parse a record written by `to_json_line`."""
+        return cls.model_validate_json(line)
