@@ -1,26 +1,74 @@
-"""The `agent-grpo` command line: one subcommand per entry point."""
+"""The `agent-grpo` command line: one subcommand per entry point, one typed config each."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from agent_grpo.config import ConfigError
 from agent_grpo.logs import setup_logging
 
 
 def _cmd_model_fetch(args: argparse.Namespace) -> int:
     from agent_grpo.models import fetch_embedded_model
 
-    path = fetch_embedded_model(args.name, force=args.force)
-    print(path)
+    print(fetch_embedded_model(args.name, force=args.force))
     return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from agent_grpo.config import load_config
+    from agent_grpo.train import train
+    from agent_grpo.train_config import TrainConfig
+
+    config = load_config(TrainConfig, args.config, args.overrides)
+    print(train(config, resume=args.resume))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from agent_grpo.config import load_config
+    from agent_grpo.eval_run import run_eval_job
+    from agent_grpo.train_config import EvalRunConfig
+
+    config = load_config(EvalRunConfig, args.config, args.overrides)
+    print(run_eval_job(config))
+    return 0
+
+
+def _cmd_envs(args: argparse.Namespace) -> int:
+    from agent_grpo.registry import list_envs
+
+    for env_id in list_envs():
+        print(env_id)
+    return 0
+
+
+def _add_config_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    help_text: str,  # type: ignore[type-arg]
+    func: object,
+) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help_text)
+    parser.add_argument("config", help="YAML config file (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    parser.set_defaults(func=func)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
+    from agent_grpo.replay import add_inspect_parser, add_replay_parser
+
     parser = argparse.ArgumentParser(prog="agent-grpo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-
+    train = _add_config_command(sub, "train", "train a policy with GRPO", _cmd_train)
+    train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    _add_config_command(sub, "eval", "evaluate a model on held-out seeds", _cmd_eval)
+    sub.add_parser("envs", help="list registered environments").set_defaults(func=_cmd_envs)
+    add_replay_parser(sub)
+    add_inspect_parser(sub)
     model = sub.add_parser("model", help="manage the embedded default model")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     fetch = model_sub.add_parser("fetch", help="fetch, verify and convert the embedded model")
@@ -34,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `agent-grpo` command."""
     setup_logging()
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

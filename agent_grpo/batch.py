@@ -1,0 +1,88 @@
+"""Trajectory records -> padded tensors, and micro-batches sized by token count.
+
+Position `t` of every per-token tensor refers to token `t` of the sequence: `loss_mask[b, t]` is
+true when token t was sampled by the policy, and the trainer's logprob at t is that of token t
+given tokens < t. Missing logprobs are NaN in tensors, and every consumer masks before reducing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from agent_grpo.trajectory import Provenance, TrajectoryRecord
+
+__all__ = ["PackedBatch", "micro_batches_by_tokens", "pack_records"]
+
+
+@dataclass
+class PackedBatch:
+    """Right-padded tensors for a list of trajectory records."""
+
+    input_ids: torch.Tensor  # [B, T] long, pad_id past each sequence
+    attention_mask: torch.Tensor  # [B, T] long, 1 on real tokens
+    loss_mask: torch.Tensor  # [B, T] bool, True exactly on model tokens
+    sampler_logprobs: torch.Tensor  # [B, T] float, NaN where the sampler gave none
+    advantages: torch.Tensor  # [B] float
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Tokens that enter the loss."""
+        return int(self.loss_mask.sum())
+
+    def select(self, rows: Sequence[int]) -> PackedBatch:
+        """The sub-batch of `rows`, trimmed to its own longest sequence."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        width = int(self.attention_mask[index].sum(dim=1).max())
+        return PackedBatch(
+            self.input_ids[index, :width],
+            self.attention_mask[index, :width],
+            self.loss_mask[index, :width],
+            self.sampler_logprobs[index, :width],
+            self.advantages[index],
+        )
+
+
+def _logprob_row(values: list[float | None]) -> list[float]:
+    return [float("nan") if v is None else v for v in values]
+
+
+def pack_records(
+    records: Sequence[TrajectoryRecord], pad_id: int, advantages: Sequence[float] | None = None
+) -> PackedBatch:
+    """Pad records on the right into one batch (advantages default to the records' own)."""
+    width = max(len(r.token_ids) for r in records)
+    batch = len(records)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)  # [B, T]
+    attention = torch.zeros((batch, width), dtype=torch.long)  # [B, T]
+    loss_mask = torch.zeros((batch, width), dtype=torch.bool)  # [B, T]
+    sampler = torch.full((batch, width), float("nan"))  # [B, T]
+    for b, record in enumerate(records):
+        n = len(record.token_ids)
+        input_ids[b, :n] = torch.tensor(record.token_ids)
+        attention[b, :n] = 1
+        loss_mask[b, :n] = torch.tensor([p is Provenance.MODEL for p in record.provenance])
+        sampler[b, :n] = torch.tensor(_logprob_row(record.sampler_logprobs))
+    values = advantages if advantages is not None else [r.advantage or 0.0 for r in records]
+    return PackedBatch(input_ids, attention, loss_mask, sampler, torch.tensor(list(values)))
+
+
+def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Split row indices, in order, into groups whose padded size (rows x longest) fits.
+
+    A single sequence longer than `max_tokens` gets a micro-batch of its own.
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if current and max(longest, n) * (len(current) + 1) > max_tokens:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups

@@ -1,0 +1,55 @@
+"""`agent-grpo eval`: evaluate one model on an environment's held-out seeds into a run dir."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from agent_grpo.config import dump_config
+from agent_grpo.env import heldout_seeds
+from agent_grpo.evaluate import evaluate
+from agent_grpo.models import load_model, load_tokenizer, resolve_model_path
+from agent_grpo.registry import make_env
+from agent_grpo.rollout.factory import build_backend
+from agent_grpo.store import RunDir
+from agent_grpo.train_config import EvalRunConfig
+
+__all__ = ["run_eval_job"]
+
+
+def run_eval_job(config: EvalRunConfig) -> Path:
+    """Evaluate, write metrics and trajectories, print a table; returns the run directory."""
+    path = resolve_model_path(config.model.name_or_path)
+    tokenizer = load_tokenizer(path)
+    model = load_model(path, dtype=getattr(torch, config.model.dtype)).eval()
+    backend = build_backend(config.backend, model, tokenizer, path)
+    env = make_env(config.env.id, **config.env.kwargs)
+    stop = list(getattr(env.unwrapped, "stop_strings", []))
+    env.close()
+    result, records = evaluate(
+        backend,
+        tokenizer,
+        config.env.id,
+        heldout_seeds(config.eval.tasks),
+        env_kwargs=config.env.kwargs,
+        samples=config.eval.samples,
+        temperature=config.eval.temperature,
+        max_tokens=config.eval.max_tokens,
+        max_context_tokens=config.max_context_tokens,
+        seed=config.seed,
+        stop=stop,
+    )
+    backend.close()
+    run = RunDir.create(config.run.root, run_id=config.run.name, config_text=dump_config(config))
+    run.write_metrics(0, {f"eval_{k}": float(v) for k, v in result.model_dump().items()})
+    run.write_trajectories(0, records)
+    table = Table(title=f"{config.model.name_or_path} on {config.env.id}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in result.model_dump().items():
+        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    Console().print(table)
+    return run.path

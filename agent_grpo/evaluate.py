@@ -1,0 +1,88 @@
+"""Held-out evaluation: success rate, mean reward, pass@k, tool use, turns and tokens."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel
+
+from agent_grpo.rollout.backend import GenerationBackend, SamplingConfig
+from agent_grpo.rollout.collector import CollectorConfig, Task, collect_groups
+from agent_grpo.trajectory import TrajectoryRecord
+
+__all__ = ["EvalResult", "evaluate", "summarise_eval"]
+
+
+class EvalResult(BaseModel):
+    """Held-out metrics of one evaluation."""
+
+    tasks: int
+    """Distinct held-out tasks."""
+    samples_per_task: int
+    """k: samples drawn per task."""
+    success_rate: float
+    """Fraction of all samples the verifier judged solved."""
+    pass_at_k: float
+    """Fraction of tasks solved by at least one of their k samples."""
+    mean_reward: float
+    """Mean total reward over all samples."""
+    tool_call_rate: float
+    """Fraction of samples that made at least one tool call."""
+    malformed_call_rate: float
+    """Malformed tool calls per tool call."""
+    mean_turns: float
+    """Mean assistant turns per sample."""
+    mean_model_tokens: float
+    """Mean sampled tokens per sample."""
+    truncated_rate: float
+    """Fraction of samples ended by a limit."""
+
+
+def summarise_eval(records: Sequence[TrajectoryRecord]) -> EvalResult:
+    """Aggregate evaluation records (grouped by task id) into an EvalResult."""
+    by_task: dict[str, list[TrajectoryRecord]] = defaultdict(list)
+    for record in records:
+        by_task[record.task_id].append(record)
+    n = max(1, len(records))
+    calls = sum(len(t.tool_calls) for r in records for t in r.turns)
+    return EvalResult(
+        tasks=len(by_task),
+        samples_per_task=max((len(v) for v in by_task.values()), default=0),
+        success_rate=sum(r.success for r in records) / n,
+        pass_at_k=sum(any(r.success for r in g) for g in by_task.values()) / max(1, len(by_task)),
+        mean_reward=sum(r.reward for r in records) / n,
+        tool_call_rate=sum(any(t.tool_calls for t in r.turns) for r in records) / n,
+        malformed_call_rate=sum(r.malformed_tool_calls for r in records) / max(1, calls),
+        mean_turns=sum(len(r.turns) for r in records) / n,
+        mean_model_tokens=sum(r.lengths.model for r in records) / n,
+        truncated_rate=sum(r.termination.kind == "truncated" for r in records) / n,
+    )
+
+
+def evaluate(
+    backend: GenerationBackend,
+    tokenizer: Any,
+    env_id: str,
+    seeds: Sequence[int],
+    *,
+    env_kwargs: dict[str, Any] | None = None,
+    samples: int = 1,
+    temperature: float = 0.0,
+    max_tokens: int = 96,
+    max_context_tokens: int = 1024,
+    seed: int = 0,
+    step: int = 0,
+    stop: Sequence[str] = (),
+) -> tuple[EvalResult, list[TrajectoryRecord]]:
+    """Run `samples` episodes on each held-out seed and summarise them."""
+    tasks = [Task(env_id=env_id, seed=s, env_kwargs=env_kwargs or {}) for s in seeds]
+    sampling = SamplingConfig(
+        temperature=temperature, max_tokens=max_tokens, seed=seed, stop=list(stop)
+    )
+    config = CollectorConfig(
+        group_size=samples, max_context_tokens=max_context_tokens, sampling=sampling
+    )
+    result = collect_groups(tasks, backend, tokenizer, config, step=step)
+    return summarise_eval(result.records), result.records

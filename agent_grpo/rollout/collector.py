@@ -1,0 +1,369 @@
+"""Collect groups of multi-turn trajectories, batched across every group, turn by turn.
+
+Each turn, every unfinished trajectory of every group is continued in ONE backend call; then the
+environment steps for that turn run concurrently in threads, each with a deadline, so one slow
+tool delays the batch by at most `env_step_timeout_s`. A trajectory ends on its own: final answer
+(terminated), max turns (truncated, decided by the env), max tokens in one turn (truncated,
+`max_tokens_per_turn`), the context limit (truncated, `max_context`), or a failing/hanging
+environment (`error`, the rest of the group carries on).
+
+Departures from common practice, on purpose:
+- A turn cut by `max_tokens` is not sent to the verifier as a final answer: the episode ends as
+  truncated with reward 0. A half-written tool call is not an answer.
+- Sampled tokens past the context limit are dropped, not re-tokenized: a prefix of a sampled
+  sequence is still exactly what the model conditioned on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium
+from pydantic import BaseModel, ConfigDict
+from rich.progress import Progress
+
+from agent_grpo.config import ConfigModel
+from agent_grpo.env import read_step_info
+from agent_grpo.registry import make_env
+from agent_grpo.rollout.backend import Generation, GenerationBackend, SamplingConfig
+from agent_grpo.tokens import TokenBuilder, check_invariants
+from agent_grpo.trajectory import Message, Termination, TrajectoryRecord, TurnRecord
+
+__all__ = ["CollectorConfig", "RolloutMetrics", "RolloutResult", "Task", "collect_groups"]
+
+
+class Task(BaseModel):
+    """One prompt: an environment id and the seed that fixes its task."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
+
+    env_id: str
+    """Registered gymnasium id or `package.module:Class`."""
+    seed: int
+    """Environment seed; the same seed always gives the same task."""
+    env_kwargs: dict[str, Any] = {}
+    """Extra keyword arguments for the environment constructor."""
+
+    @property
+    def task_id(self) -> str:
+        """Stable prompt id shared by every sample of this task."""
+        return f"{self.env_id}:{self.seed}"
+
+
+class CollectorConfig(ConfigModel):
+    """Limits and sampling for one collection."""
+
+    group_size: int = 8
+    """G: trajectories sampled per task."""
+    max_context_tokens: int = 2048
+    """Largest total sequence (prompt + all turns); longer episodes end as truncated."""
+    env_step_timeout_s: float = 60.0
+    """Deadline for one environment step (all its tool calls); past it the trajectory errors."""
+    sampling: SamplingConfig = SamplingConfig()
+    """How tokens are sampled each turn."""
+    check_invariants: bool = True
+    """Check the provenance invariants on every record (cheap; leave on)."""
+    progress: bool = True
+    """Show a progress display while collecting."""
+
+
+class RolloutMetrics(BaseModel):
+    """What one collection cost and produced."""
+
+    trajectories: int = 0
+    """Records produced."""
+    generated_tokens: int = 0
+    """Model tokens sampled across all turns."""
+    model_time_s: float = 0.0
+    """Seconds inside the backend's generate calls."""
+    env_time_s: float = 0.0
+    """Seconds in environment steps (wall time of each turn's concurrent steps)."""
+    wall_time_s: float = 0.0
+    """Seconds for the whole collection."""
+    tokens_per_s: float = 0.0
+    """generated_tokens / wall_time_s."""
+    turns_mean: float = 0.0
+    """Mean assistant turns per trajectory."""
+    tool_calls: int = 0
+    """Tool calls made."""
+    tool_errors: int = 0
+    """Tool calls that failed (parse, validation, exception, timeout, oversized)."""
+    truncated: int = 0
+    """Trajectories ended by a limit."""
+    errors: int = 0
+    """Trajectories ended by an environment or engine failure."""
+    reused_prefix_tokens: int = 0
+    """Context tokens the backend served from its prefix cache instead of prefilling."""
+
+
+class RolloutResult(BaseModel):
+    """Records, in task order then group order, and the collection's metrics."""
+
+    records: list[TrajectoryRecord]
+    """All trajectories; `records[i * G + j]` is sample j of task i."""
+    metrics: RolloutMetrics
+    """Throughput and outcome counts."""
+
+
+@dataclass
+class _Episode:
+    """Mutable state of one trajectory while it is being collected."""
+
+    task: Task
+    index: int
+    env: gymnasium.Env[Any, Any]
+    builder: TokenBuilder
+    prompt_count: int
+    turns: list[TurnRecord] = field(default_factory=list)
+    contexts: list[list[int]] = field(default_factory=list)
+    termination: Termination | None = None
+    reward: float = 0.0
+    verifier: dict[str, Any] = field(default_factory=dict)
+    success: bool = False
+    malformed: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.termination is not None
+
+
+def sampling_seed(base: int, step: int, task: Task, index: int, turn: int) -> int:
+    """A per-(step, task, sample, turn) seed, independent of batch composition."""
+    key = f"{base}|{step}|{task.task_id}|{index}|{turn}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def _start_episode(task: Task, index: int, tokenizer: Any, env_factory: EnvFactory) -> _Episode:
+    env = env_factory(task.env_id, **task.env_kwargs)
+    observation, _ = env.reset(seed=task.seed)
+    prompt = [Message.model_validate(m) for m in observation]
+    return _Episode(task, index, env, TokenBuilder(tokenizer, prompt), len(prompt))
+
+
+EnvFactory = Callable[..., gymnasium.Env[Any, Any]]
+
+
+def _fit_to_context(gen: Generation, room: int) -> tuple[Generation, bool]:
+    """Drop sampled tokens past the context limit (a prefix of a sample is still exact)."""
+    if len(gen.token_ids) <= room:
+        return gen, False
+    cut = Generation(gen.token_ids[:room], gen.logprobs[:room], "length", extra=gen.extra)
+    return cut, True
+
+
+def _generate_turn(
+    active: list[_Episode],
+    backend: GenerationBackend,
+    config: CollectorConfig,
+    step: int,
+    turn: int,
+) -> list[tuple[Generation, bool]]:
+    prompts = [list(ep.builder.token_ids) for ep in active]
+    seeds = [sampling_seed(config.sampling.seed, step, ep.task, ep.index, turn) for ep in active]
+    generations = backend.generate(prompts, config.sampling, seeds)
+    for ep, prompt in zip(active, prompts, strict=True):
+        ep.contexts.append(prompt)
+    return [
+        _fit_to_context(gen, config.max_context_tokens - len(prompt))
+        for gen, prompt in zip(generations, prompts, strict=True)
+    ]
+
+
+def _record_model_turn(ep: _Episode, gen: Generation, turn: int, tokenizer: Any) -> TurnRecord:
+    start = len(ep.builder.token_ids)
+    ep.builder.add_model_turn(gen.token_ids, gen.logprobs)
+    text = ep.builder.messages[-1].content
+    record = TurnRecord(
+        index=turn,
+        model_text=text,
+        token_start=start,
+        token_end=start + len(gen.token_ids),
+        finish_reason=gen.finish_reason,
+    )
+    ep.turns.append(record)
+    return record
+
+
+def _step_env(ep: _Episode) -> tuple[Any, float, bool, bool, dict[str, Any], float]:
+    started = time.perf_counter()
+    obs, reward, terminated, truncated, info = ep.env.step(ep.builder.messages[-1].content)
+    return obs, float(reward), bool(terminated), bool(truncated), info, started
+
+
+def _apply_step(ep: _Episode, result: tuple[Any, float, bool, bool, dict[str, Any], float]) -> None:
+    obs, reward, terminated, truncated, info, started = result
+    turn = ep.turns[-1]
+    turn.env_latency_s = time.perf_counter() - started
+    step_info = read_step_info(info)
+    turn.tool_calls = list(step_info.tool_calls)
+    ep.malformed += step_info.malformed_tool_calls
+    if terminated or truncated:
+        ep.reward = reward
+        ep.verifier = dict(step_info.verifier or {})
+        ep.success = bool(step_info.success)
+        kind = "terminated" if terminated else "truncated"
+        ep.termination = Termination(kind=kind, reason=step_info.end_reason or kind)
+        return
+    ep.builder.add_observations([Message.model_validate(m) for m in obs])
+
+
+def _step_all(stepping: list[_Episode], pool: cf.ThreadPoolExecutor, timeout_s: float) -> None:
+    """Step every episode concurrently; each gets `timeout_s` from the start of the turn."""
+    futures = {pool.submit(_step_env, ep): ep for ep in stepping}
+    deadline = time.perf_counter() + timeout_s
+    for future, ep in futures.items():
+        try:
+            result = future.result(timeout=max(0.0, deadline - time.perf_counter()))
+        except cf.TimeoutError:
+            # A hung step cannot be killed from here; its thread is abandoned and the env is
+            # never used again. Tools that must be killable run in the sandbox.
+            ep.termination = Termination(kind="error", reason=f"env step timeout ({timeout_s}s)")
+            continue
+        except Exception as error:  # the env's bug must not take the batch down
+            ep.termination = Termination(kind="error", reason=f"{type(error).__name__}: {error}")
+            continue
+        try:
+            _apply_step(ep, result)
+        except Exception as error:
+            ep.termination = Termination(kind="error", reason=f"{type(error).__name__}: {error}")
+
+
+def _to_record(
+    ep: _Episode, group_id: str, group_size: int, step: int, run_id: str, config: CollectorConfig
+) -> TrajectoryRecord:
+    b = ep.builder
+    assert ep.termination is not None
+    return TrajectoryRecord(
+        run_id=run_id,
+        step=step,
+        group_id=group_id,
+        task_id=ep.task.task_id,
+        index_in_group=ep.index,
+        group_size=group_size,
+        env_id=ep.task.env_id,
+        seed=ep.task.seed,
+        messages=list(b.messages),
+        prompt_messages_count=ep.prompt_count,
+        token_ids=list(b.token_ids),
+        provenance=list(b.provenance),
+        sampler_logprobs=list(b.sampler_logprobs),
+        sampling_temperature=config.sampling.temperature or 1.0,
+        reward=ep.reward,
+        reward_components={"verifier": ep.reward},
+        verifier=ep.verifier,
+        success=ep.success,
+        turns=ep.turns,
+        termination=ep.termination,
+        lengths=b.lengths(),
+        malformed_tool_calls=ep.malformed,
+        group_member_ids=[f"{group_id}/{i}" for i in range(group_size)],
+    )
+
+
+def _end_turn(ep: _Episode, gen: Generation, cut: bool) -> bool:
+    """End the episode if this turn hit a token limit; True when it did."""
+    if cut:
+        ep.termination = Termination(kind="truncated", reason="max_context")
+    elif gen.finish_reason == "length":
+        ep.termination = Termination(kind="truncated", reason="max_tokens_per_turn")
+    return ep.done
+
+
+def _run_turn(
+    active: list[_Episode],
+    backend: GenerationBackend,
+    tokenizer: Any,
+    config: CollectorConfig,
+    pool: cf.ThreadPoolExecutor,
+    step: int,
+    turn: int,
+    metrics: RolloutMetrics,
+) -> None:
+    started = time.perf_counter()
+    try:
+        outputs = _generate_turn(active, backend, config, step, turn)
+    except Exception as error:  # an engine failure ends this turn's trajectories, not the run
+        for ep in active:
+            ep.termination = Termination(kind="error", reason=f"generation failed: {error}")
+        return
+    metrics.model_time_s += time.perf_counter() - started
+    stepping = []
+    for ep, (gen, cut) in zip(active, outputs, strict=True):
+        _record_model_turn(ep, gen, turn, tokenizer)
+        metrics.generated_tokens += len(gen.token_ids)
+        metrics.reused_prefix_tokens += int(gen.extra.get("reused_tokens", 0))
+        if not _end_turn(ep, gen, cut):
+            stepping.append(ep)
+    started = time.perf_counter()
+    _step_all(stepping, pool, config.env_step_timeout_s)
+    metrics.env_time_s += time.perf_counter() - started
+    for ep in stepping:
+        if not ep.done and len(ep.builder.token_ids) >= config.max_context_tokens:
+            ep.termination = Termination(kind="truncated", reason="max_context")
+
+
+def _summarise(records: Sequence[TrajectoryRecord], metrics: RolloutMetrics) -> None:
+    metrics.trajectories = len(records)
+    metrics.turns_mean = sum(len(r.turns) for r in records) / max(1, len(records))
+    calls = [c for r in records for t in r.turns for c in t.tool_calls]
+    metrics.tool_calls = len(calls)
+    metrics.tool_errors = sum(c.error is not None for c in calls)
+    metrics.truncated = sum(r.termination.kind == "truncated" for r in records)
+    metrics.errors = sum(r.termination.kind == "error" for r in records)
+    metrics.tokens_per_s = metrics.generated_tokens / max(metrics.wall_time_s, 1e-9)
+
+
+def collect_groups(
+    tasks: Sequence[Task],
+    backend: GenerationBackend,
+    tokenizer: Any,
+    config: CollectorConfig,
+    *,
+    step: int = 0,
+    run_id: str = "",
+    env_factory: EnvFactory = make_env,
+) -> RolloutResult:
+    """Sample `config.group_size` trajectories for every task, all groups batched per turn."""
+    started = time.perf_counter()
+    metrics = RolloutMetrics()
+    episodes = [
+        _start_episode(task, i, tokenizer, env_factory)
+        for task in tasks
+        for i in range(config.group_size)
+    ]
+    # Not a `with` block: leaving one joins every thread, including a hung env step's.
+    pool = cf.ThreadPoolExecutor(max(1, min(32, len(episodes))), thread_name_prefix="env-step")
+    try:
+        with Progress(transient=True, disable=not config.progress) as progress:
+            bar = progress.add_task("rollout", total=len(episodes))
+            turn = 0
+            while active := [ep for ep in episodes if not ep.done]:
+                _run_turn(active, backend, tokenizer, config, pool, step, turn, metrics)
+                turn += 1
+                progress.update(bar, completed=sum(ep.done for ep in episodes))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    records = []
+    for t, task in enumerate(tasks):
+        group_id = f"s{step}-t{t}"
+        for ep in episodes[t * config.group_size : (t + 1) * config.group_size]:
+            records.append(_to_record(ep, group_id, config.group_size, step, run_id, config))
+            _close_quietly(ep.env)
+    if config.check_invariants:
+        for record, ep in zip(records, episodes, strict=True):
+            check_invariants(record, tokenizer, contexts=ep.contexts)
+    metrics.wall_time_s = time.perf_counter() - started
+    _summarise(records, metrics)
+    return RolloutResult(records=records, metrics=metrics)
+
+
+def _close_quietly(env: gymnasium.Env[Any, Any]) -> None:
+    try:
+        env.close()
+    except Exception:  # closing a broken env must not lose the other records
+        pass

@@ -1,0 +1,497 @@
+"""GRPO for multi-turn tool agents, top to bottom: rollout -> reward -> advantage -> loss -> step.
+
+Where we depart from the papers, and why:
+- DeepSeekMath GRPO puts the KL term in the loss with the k3 estimator; so do we (`beta`), but the
+  default is beta = 0 (DAPO, Dr. GRPO): with a short run the reference mostly costs a forward pass.
+- Advantages are group-normalised by the unbiased std (as TRL and verl); `algo.scale: none` gives
+  Dr. GRPO's unscaled advantages and `algo.leave_one_out` RLOO's baseline.
+- The loss is averaged over valid model tokens of the whole minibatch (DAPO's token-mean) by
+  default, with the global token count as the denominator across gradient-accumulation
+  micro-batches, so splitting a batch never changes the update.
+- Multi-turn: only tokens the policy sampled are trained on; tool output and chat-template tokens
+  condition the policy but never enter the loss (see agent_grpo/tokens.py).
+- pi_old is recomputed by the trainer (the sampler's numerics differ); the sampler/trainer gap is
+  logged every step and can be corrected with truncated importance sampling (`algo.tis_cap`).
+- Warm start: a supervised pass on the environment's expert trajectories precedes GRPO, because a
+  135M model never calls a tool unaided and GRPO cannot learn from all-zero groups.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from agent_grpo.batch import PackedBatch, micro_batches_by_tokens, pack_records
+from agent_grpo.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from agent_grpo.config import dump_config
+from agent_grpo.env import heldout_seeds, train_seeds
+from agent_grpo.evaluate import EvalResult, evaluate
+from agent_grpo.grpo import group_advantages, policy_loss, truncated_is_weights
+from agent_grpo.logprobs import token_logprobs
+from agent_grpo.logs import get_logger
+from agent_grpo.models import load_model, load_tokenizer, resolve_model_path
+from agent_grpo.registry import make_env
+from agent_grpo.rewards import apply_rewards, build_reward_fn
+from agent_grpo.rollout.backend import GenerationBackend
+from agent_grpo.rollout.collector import CollectorConfig, RolloutResult, Task, collect_groups
+from agent_grpo.rollout.factory import build_backend
+from agent_grpo.sft import expert_record, train_sft
+from agent_grpo.signal_metrics import dead_group_mask, logprob_mismatch, signal_metrics
+from agent_grpo.store import RunDir
+from agent_grpo.train_config import AlgoConfig, TrainConfig
+from agent_grpo.trajectory import TrajectoryRecord
+
+__all__ = ["train"]
+
+log = get_logger("train")
+console = Console()
+
+
+# ---- plumbing: tasks, rollouts, batches ---------------------------------------------------------
+
+
+def step_tasks(config: TrainConfig, step: int) -> list[Task]:
+    """The tasks of one step: a pure function of (seed, step), so a resumed run sees the same."""
+    rng = random.Random(f"{config.seed}/{step}")
+    seeds = train_seeds(config.rollout.tasks_per_step, rng)
+    return [Task(env_id=config.env.id, seed=s, env_kwargs=config.env.kwargs) for s in seeds]
+
+
+def collect(
+    config: TrainConfig, backend: GenerationBackend, tokenizer: Any, stop: list[str], step: int
+) -> RolloutResult:
+    """Sample this step's groups; with dynamic sampling, top up until groups carry signal."""
+    sampling = config.rollout.sampling.model_copy(
+        update={"stop": config.rollout.sampling.stop or stop}
+    )
+    collector = CollectorConfig(
+        group_size=config.rollout.group_size,
+        max_context_tokens=config.rollout.max_context_tokens,
+        env_step_timeout_s=config.rollout.env_step_timeout_s,
+        sampling=sampling,
+    )
+    result = collect_groups(
+        step_tasks(config, step), backend, tokenizer, collector, step=step, run_id=config.run.name
+    )
+    if not config.algo.dynamic_sampling:
+        return result
+    return top_up_live_groups(config, backend, tokenizer, collector, step, result)
+
+
+def top_up_live_groups(
+    config: TrainConfig,
+    backend: GenerationBackend,
+    tokenizer: Any,
+    collector: CollectorConfig,
+    step: int,
+    result: RolloutResult,
+) -> RolloutResult:
+    """DAPO dynamic sampling: drop dead groups and sample fresh tasks to refill the batch."""
+    want = config.rollout.tasks_per_step * config.rollout.group_size
+    live = [
+        r
+        for r, dead in zip(result.records, dead_group_mask(result.records), strict=True)
+        if not dead
+    ]
+    for round_ in range(1, config.algo.dynamic_sampling_max_rounds + 1):
+        if len(live) >= want:
+            break
+        rng = random.Random(f"{config.seed}/{step}/extra{round_}")
+        tasks = [
+            Task(env_id=config.env.id, seed=s, env_kwargs=config.env.kwargs)
+            for s in train_seeds(config.rollout.tasks_per_step, rng)
+        ]
+        extra = collect_groups(
+            tasks, backend, tokenizer, collector, step=step * 1000 + round_, run_id=config.run.name
+        )
+        live += [
+            r
+            for r, dead in zip(extra.records, dead_group_mask(extra.records), strict=True)
+            if not dead
+        ]
+    records = live[:want] or result.records  # all dead: train on nothing rather than crash
+    return RolloutResult(records=records, metrics=result.metrics)
+
+
+@torch.no_grad()
+def batch_logprobs(
+    model: torch.nn.Module, batch: PackedBatch, temperature: float, micro_batch_tokens: int
+) -> torch.Tensor:
+    """Per-token logprobs of a whole batch, micro-batch by micro-batch (no grad)."""
+    out = torch.full(batch.input_ids.shape, float("nan"))  # [B, T]
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    for rows in micro_batches_by_tokens(lengths, micro_batch_tokens):
+        part = batch.select(rows)
+        values = token_logprobs(
+            model, part.input_ids, part.attention_mask, temperature=temperature
+        )  # [b, t]
+        out[rows, : values.shape[1]] = values.float()
+    return out
+
+
+# ---- the algorithm: advantages, loss, update ------------------------------------------------------
+
+
+def advantages_of(records: Sequence[TrajectoryRecord], algo: AlgoConfig) -> torch.Tensor:
+    """Group-relative advantages of the records' total rewards."""
+    rewards = torch.tensor([r.reward for r in records], dtype=torch.float32)  # [B]
+    groups = [r.group_id for r in records]
+    return group_advantages(rewards, groups, scale=algo.scale, leave_one_out=algo.leave_one_out)
+
+
+def minibatch_update(
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: PackedBatch,
+    old: torch.Tensor,
+    ref: torch.Tensor | None,
+    is_weights: torch.Tensor | None,
+    algo: AlgoConfig,
+    temperature: float,
+) -> dict[str, float]:
+    """One optimizer step over a minibatch, accumulating gradients over token-sized micro-batches."""
+    rows_total = batch.input_ids.shape[0]
+    tokens_total = max(1, batch.num_model_tokens)
+    max_tokens = algo.max_tokens or int(batch.loss_mask.sum(dim=1).max())
+    sums: dict[str, float] = {}
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    for rows in micro_batches_by_tokens(lengths, algo.micro_batch_tokens):
+        part = batch.select(rows)
+        width = part.input_ids.shape[1]
+        logprobs = token_logprobs(
+            policy, part.input_ids, part.attention_mask, temperature=temperature
+        )  # [b, t]
+        loss, metrics = policy_loss(
+            logprobs,
+            old[rows, :width],
+            part.advantages,
+            part.loss_mask,
+            ref_logprobs=None if ref is None else ref[rows, :width],
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            beta=algo.beta,
+            kl=algo.kl,
+            aggregation=algo.aggregation,
+            max_tokens=max_tokens,
+            is_weights=None if is_weights is None else is_weights[rows, :width],
+            denominator=tokens_total if algo.aggregation == "token-mean" else None,
+        )
+        if algo.aggregation != "token-mean":  # per-sequence means: weight by this share of rows
+            loss = loss * (len(rows) / rows_total)
+        loss.backward()
+        share = part.num_model_tokens / tokens_total
+        for key, value in {"loss": float(loss), **metrics.as_dict()}.items():
+            sums[key] = sums.get(key, 0.0) + (value if key == "loss" else value * share)
+    sums["grad_norm"] = float(
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), algo.max_grad_norm)
+    )
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return sums
+
+
+def grpo_update(
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: PackedBatch,
+    old: torch.Tensor,
+    ref: torch.Tensor | None,
+    is_weights: torch.Tensor | None,
+    algo: AlgoConfig,
+    temperature: float,
+    seed: int,
+) -> dict[str, float]:
+    """`epochs` passes of `minibatches` optimizer steps over the step's batch."""
+    policy.train()
+    generator = torch.Generator().manual_seed(seed)
+    rows = batch.input_ids.shape[0]
+    history: list[dict[str, float]] = []
+    for _ in range(algo.epochs):
+        order = torch.randperm(rows, generator=generator)
+        for chunk in order.chunk(algo.minibatches):
+            index = chunk.tolist()
+            part = batch.select(index)
+            width = part.input_ids.shape[1]
+            history.append(
+                minibatch_update(
+                    policy,
+                    optimizer,
+                    part,
+                    old[index, :width],
+                    None if ref is None else ref[index, :width],
+                    None if is_weights is None else is_weights[index, :width],
+                    algo,
+                    temperature,
+                )
+            )
+    policy.eval()
+    return {key: sum(h[key] for h in history) / len(history) for key in history[0]}
+
+
+def train_step(
+    config: TrainConfig,
+    policy: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    backend: GenerationBackend,
+    tokenizer: Any,
+    stop: list[str],
+    step: int,
+) -> tuple[dict[str, float], list[TrajectoryRecord]]:
+    """One GRPO step; returns its metrics and its (annotated) trajectory records."""
+    algo, started = config.algo, time.perf_counter()
+    # 1. rollout: G trajectories per task, every group batched together
+    rollout = collect(config, backend, tokenizer, stop, step)
+    records = rollout.records
+    # 2. reward: verifier plus any configured sources, every component recorded
+    apply_rewards(records, [(c, build_reward_fn(c)) for c in config.rewards])
+    # 3. advantage: within each group only
+    advantages = advantages_of(records, algo)  # [B]
+    for record, a in zip(records, advantages.tolist(), strict=True):
+        record.advantage = a
+    batch = pack_records(records, tokenizer.pad_token_id, advantages.tolist())
+    if algo.drop_dead_groups:
+        dead = torch.tensor(dead_group_mask(records))  # [B]
+        batch.loss_mask &= ~dead[:, None]
+    # 4. pi_old and pi_ref on the sampled tokens
+    temperature = records[0].sampling_temperature
+    trainer_old = batch_logprobs(policy, batch, temperature, algo.micro_batch_tokens)  # [B, T]
+    old = trainer_old if algo.old_logprobs == "trainer" else batch.sampler_logprobs
+    ref = (
+        None
+        if reference is None
+        else batch_logprobs(reference, batch, temperature, algo.micro_batch_tokens)
+    )  # [B, T]
+    is_weights = (
+        None
+        if algo.tis_cap is None
+        else truncated_is_weights(
+            trainer_old, batch.sampler_logprobs, batch.loss_mask, algo.tis_cap
+        )
+    )  # [B, T]
+    # 5. loss and optimizer steps, then the engine gets the new weights
+    update = grpo_update(
+        policy,
+        optimizer,
+        batch,
+        old,
+        ref,
+        is_weights,
+        algo,
+        temperature,
+        seed=config.seed * 100_003 + step,
+    )
+    backend.update_weights(policy)
+    _annotate(records, trainer_old, ref, batch)
+    metrics = {
+        "step": float(step),
+        **signal_metrics(records, advantages.tolist()),
+        **logprob_mismatch(trainer_old, batch.sampler_logprobs, batch.loss_mask),
+        **update,
+        "rollout_tokens_per_s": rollout.metrics.tokens_per_s,
+        "rollout_model_time_s": rollout.metrics.model_time_s,
+        "rollout_env_time_s": rollout.metrics.env_time_s,
+        "tool_errors": float(rollout.metrics.tool_errors),
+        "step_time_s": time.perf_counter() - started,
+    }
+    return metrics, records
+
+
+def _annotate(
+    records: Sequence[TrajectoryRecord],
+    old: torch.Tensor,
+    ref: torch.Tensor | None,
+    batch: PackedBatch,
+) -> None:
+    """Store trainer logprobs on each record (None off the model tokens)."""
+    for b, record in enumerate(records):
+        mask = batch.loss_mask[b].tolist()
+        n = len(record.token_ids)
+        record.old_logprobs = [
+            v if m else None for v, m in zip(old[b, :n].tolist(), mask[:n], strict=True)
+        ]
+        if ref is not None:
+            record.ref_logprobs = [
+                v if m else None for v, m in zip(ref[b, :n].tolist(), mask[:n], strict=True)
+            ]
+
+
+# ---- the run: eval -> warm start -> GRPO -> eval ---------------------------------------------------
+
+
+def run_eval(
+    config: TrainConfig, backend: GenerationBackend, tokenizer: Any, stop: list[str], label: str
+) -> EvalResult | None:
+    """Evaluate on held-out seeds (None when evaluation is off)."""
+    if config.eval is None:
+        return None
+    result, _ = evaluate(
+        backend,
+        tokenizer,
+        config.env.id,
+        heldout_seeds(config.eval.tasks),
+        env_kwargs=config.env.kwargs,
+        samples=config.eval.samples,
+        temperature=config.eval.temperature,
+        max_tokens=config.eval.max_tokens,
+        max_context_tokens=config.rollout.max_context_tokens,
+        seed=config.seed,
+        stop=stop,
+    )
+    log.info(
+        "eval %s: success %.3f, pass@%d %.3f, tool calls %.2f",
+        label,
+        result.success_rate,
+        result.samples_per_task,
+        result.pass_at_k,
+        result.tool_call_rate,
+    )
+    return result
+
+
+def warm_start(config: TrainConfig, policy: torch.nn.Module, tokenizer: Any) -> list[float]:
+    """Supervised pass on expert demonstrations from training seeds."""
+    assert config.warm_start is not None
+    ws = config.warm_start
+    rng = random.Random(f"{config.seed}/warm-start")
+    demos = [
+        expert_record(tokenizer, config.env.id, s, config.env.kwargs)
+        for s in train_seeds(ws.demos, rng)
+    ]
+    return train_sft(
+        policy,
+        demos,
+        pad_id=tokenizer.pad_token_id,
+        epochs=ws.epochs,
+        batch_size=ws.batch_size,
+        lr=ws.lr,
+        micro_batch_tokens=config.algo.micro_batch_tokens,
+        seed=config.seed,
+    )
+
+
+def env_stop_strings(config: TrainConfig) -> list[str]:
+    """Stop strings of the environment's tool-call format (end a turn right after a call)."""
+    env = make_env(config.env.id, **config.env.kwargs)
+    try:
+        return list(getattr(env.unwrapped, "stop_strings", []))
+    finally:
+        env.close()
+
+
+def print_summary(state: TrainerState, after: EvalResult | None) -> None:
+    """The before/after table."""
+    table = Table(title="held-out evaluation")
+    table.add_column("model")
+    for column in ("success", "pass@k", "reward", "tool calls", "turns", "tokens"):
+        table.add_column(column, justify="right")
+    rows = [
+        ("base", state.eval_before),
+        ("warm start", state.eval_warm_start),
+        ("GRPO", None if after is None else after.model_dump()),
+    ]
+    for name, result in rows:
+        if result is not None:
+            table.add_row(
+                name,
+                *(
+                    f"{result[k]:.3f}"
+                    for k in (
+                        "success_rate",
+                        "pass_at_k",
+                        "mean_reward",
+                        "tool_call_rate",
+                        "mean_turns",
+                        "mean_model_tokens",
+                    )
+                ),
+            )
+    console.print(table)
+
+
+def train(config: TrainConfig, *, resume: bool = False) -> Path:
+    """Run the whole job described by `config`; returns the run directory."""
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    run_path = Path(config.run.root) / config.run.name
+    run = (
+        RunDir.open(run_path)
+        if resume
+        else RunDir.create(config.run.root, run_id=config.run.name, config_text=dump_config(config))
+    )
+    checkpoint = run.latest_checkpoint() if resume else None
+    model_path = (
+        str(checkpoint / "model") if checkpoint else resolve_model_path(config.model.name_or_path)
+    )
+    tokenizer = load_tokenizer(model_path)
+    policy = load_model(model_path, dtype=getattr(torch, config.model.dtype)).eval()
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=config.algo.lr, weight_decay=config.algo.weight_decay
+    )
+    backend = build_backend(config.rollout.backend, policy, tokenizer, model_path)
+    stop = env_stop_strings(config)
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, optimizer)
+        log.info("resumed from %s at step %d", checkpoint, state.step)
+    else:
+        state = TrainerState(step=0)
+        before = run_eval(config, backend, tokenizer, stop, "base")
+        state.eval_before = None if before is None else before.model_dump()
+        if config.warm_start is not None:
+            losses = warm_start(config, policy, tokenizer)
+            log.info("warm start: %d steps, nll %.3f -> %.3f", len(losses), losses[0], losses[-1])
+            backend.update_weights(policy)
+            after_ws = run_eval(config, backend, tokenizer, stop, "warm start")
+            state.eval_warm_start = None if after_ws is None else after_ws.model_dump()
+    reference = copy.deepcopy(policy).requires_grad_(False) if config.algo.beta > 0 else None
+    # ^ the reference is the policy GRPO starts from (after the warm start). On resume it would
+    #   be the checkpoint's weights, so runs with beta > 0 keep it in the run directory.
+    if reference is not None:
+        reference = _persist_reference(run, reference, resume, config)
+    for step in range(state.step, config.steps):
+        metrics, records = train_step(
+            config, policy, reference, optimizer, backend, tokenizer, stop, step
+        )
+        run.write_metrics(step, metrics)
+        if config.run.log_trajectories:
+            run.write_trajectories(step, records)
+        log.info(
+            "step %d: reward %.3f success %.3f kl %.4f clip %.3f tok/s %.0f (%.0fs)",
+            step,
+            metrics["reward_mean"],
+            metrics["success_rate"],
+            metrics.get("kl_ref_mean", 0.0),
+            metrics.get("clip_fraction", 0.0),
+            metrics["rollout_tokens_per_s"],
+            metrics["step_time_s"],
+        )
+        state.step = step + 1
+        every = config.run.checkpoint_every
+        if state.step == config.steps or (every and state.step % every == 0):
+            save_checkpoint(run.checkpoint_dir(state.step), policy, tokenizer, optimizer, state)
+    after = run_eval(config, backend, tokenizer, stop, "final")
+    if after is not None:
+        run.write_metrics(
+            config.steps, {f"eval_{k}": float(v) for k, v in after.model_dump().items()}
+        )
+    print_summary(state, after)
+    backend.close()
+    return run.path
+
+
+def _persist_reference(
+    run: RunDir, reference: torch.nn.Module, resume: bool, config: TrainConfig
+) -> torch.nn.Module:
+    path = run.path / "reference"
+    if resume and path.exists():
+        return load_model(str(path), dtype=getattr(torch, config.model.dtype)).eval()
+    reference.save_pretrained(path)  # type: ignore[operator]
+    return reference.eval()

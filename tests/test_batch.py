@@ -1,0 +1,66 @@
+"""Packing records into tensors and splitting batches by token count."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent_grpo.batch import micro_batches_by_tokens, pack_records
+from agent_grpo.trajectory import Lengths, Message, Provenance, Termination, TrajectoryRecord
+
+P, M, T, O = Provenance.PROMPT, Provenance.MODEL, Provenance.TEMPLATE, Provenance.OBSERVATION
+
+
+def make_record(provenance: list[Provenance], advantage: float = 0.0) -> TrajectoryRecord:
+    """A synthetic record whose token ids are 100 + position and logprobs -0.1 * position."""
+    n = len(provenance)
+    return TrajectoryRecord(
+        group_id="g", task_id="t", index_in_group=0, group_size=1, env_id="e", seed=0,
+        messages=[Message(role="user", content="x")],
+        token_ids=[100 + i for i in range(n)], provenance=provenance,
+        sampler_logprobs=[-0.1 * i if p is M else None for i, p in enumerate(provenance)],
+        termination=Termination(kind="terminated", reason="test"), lengths=Lengths(total=n),
+        advantage=advantage,
+    )
+
+
+def test_pack_records_pads_right_and_masks_only_model_tokens() -> None:
+    a = make_record([P, P, M, M, T, O, M], advantage=1.5)
+    b = make_record([P, M, M], advantage=-0.5)
+    batch = pack_records([a, b], pad_id=2)
+    assert batch.input_ids.tolist() == [[100, 101, 102, 103, 104, 105, 106],
+                                         [100, 101, 102, 2, 2, 2, 2]]
+    assert batch.attention_mask.tolist() == [[1] * 7, [1, 1, 1, 0, 0, 0, 0]]
+    assert batch.loss_mask.tolist() == [
+        [False, False, True, True, False, False, True],
+        [False, True, True, False, False, False, False],
+    ]
+    assert batch.advantages.tolist() == [1.5, -0.5]
+    # logprobs exist exactly under the loss mask; everything else is NaN, never 0.0
+    assert torch.equal(~torch.isnan(batch.sampler_logprobs), batch.loss_mask)
+    assert math.isclose(float(batch.sampler_logprobs[0, 6]), -0.6, abs_tol=1e-6)
+    assert batch.num_model_tokens == 5
+
+
+def test_select_trims_to_the_sub_batch_width() -> None:
+    batch = pack_records([make_record([P] * 9), make_record([P, M])], pad_id=0)
+    part = batch.select([1])
+    assert part.input_ids.shape == (1, 2)
+    assert part.loss_mask.tolist() == [[False, True]]
+
+
+def test_micro_batches_golden() -> None:
+    # padded cost = rows x longest: [5,5] -> 10 fits 10; adding 3 -> 15 > 10
+    assert micro_batches_by_tokens([5, 5, 3, 2, 12, 1], 10) == [[0, 1], [2, 3], [4], [5]]
+
+
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=40), st.integers(1, 120))
+def test_micro_batches_cover_every_row_once_in_order_and_fit(lengths: list[int], budget: int) -> None:
+    groups = micro_batches_by_tokens(lengths, budget)
+    assert [i for g in groups for i in g] == list(range(len(lengths)))
+    for group in groups:
+        cost = max(lengths[i] for i in group) * len(group)
+        assert cost <= budget or len(group) == 1

@@ -1,0 +1,64 @@
+"""Signal-quality metrics with hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from agent_grpo.signal_metrics import dead_group_mask, logprob_mismatch, signal_metrics
+from agent_grpo.trajectory import (
+    Lengths,
+    Message,
+    Provenance,
+    Termination,
+    ToolCallRecord,
+    TrajectoryRecord,
+    TurnRecord,
+)
+
+
+def record(group: str, reward: float, model_ids: list[int], calls: int = 0,
+           malformed: int = 0) -> TrajectoryRecord:
+    ids = [1, *model_ids]
+    prov = [Provenance.PROMPT] + [Provenance.MODEL] * len(model_ids)
+    turn = TurnRecord(index=0, model_text="x", token_start=1, token_end=len(ids),
+                      finish_reason="stop",
+                      tool_calls=[ToolCallRecord(name="t") for _ in range(calls)])
+    return TrajectoryRecord(
+        group_id=group, task_id=group, index_in_group=0, group_size=2, env_id="e", seed=0,
+        messages=[Message(role="user", content="q")], token_ids=ids, provenance=prov,
+        sampler_logprobs=[None] + [-1.0] * len(model_ids), reward=reward, success=reward > 0,
+        turns=[turn], termination=Termination(kind="terminated", reason="t"),
+        lengths=Lengths(model=len(model_ids), total=len(ids)), malformed_tool_calls=malformed,
+    )
+
+
+def test_dead_groups_and_duplicates() -> None:
+    records = [
+        record("a", 1.0, [5, 6], calls=1), record("a", 0.0, [7], calls=1, malformed=1),
+        record("b", 0.5, [9, 9, 9]), record("b", 0.5, [9, 9, 9]),  # dead and duplicated
+    ]
+    assert dead_group_mask(records) == [False, False, True, True]
+    m = signal_metrics(records, advantages=[0.7, -0.7, 0.0, 0.0])
+    assert m["dead_groups"] == 1.0
+    assert m["dead_group_fraction"] == 0.5
+    assert m["duplicate_fraction"] == 0.25  # one of four records repeats a group-mate
+    assert m["reward_mean"] == 0.5
+    assert math.isclose(m["reward_std"], math.sqrt((0.25 + 0.25 + 0 + 0) / 4))
+    assert m["len_above_baseline"] == 2.0 and m["len_below_baseline"] == 1.0
+    assert m["tool_calls_per_traj"] == 0.5
+    assert m["malformed_call_rate"] == 0.5
+    # rewards [1, 0, .5, .5] vs lengths [2, 1, 3, 3]: centred (.5,-.5,0,0)·(-.25,-1.25,.75,.75)
+    # = -.125 + .625 = .5; |r| = sqrt(.5), |l| = sqrt(.0625+1.5625+.5625+.5625) = sqrt(2.75)
+    assert math.isclose(m["reward_length_corr"], 0.5 / math.sqrt(0.5 * 2.75))
+
+
+def test_logprob_mismatch_ignores_masked_junk() -> None:
+    trainer = torch.tensor([[0.0, -1.0, -2.0], [float("nan"), -0.5, 9.0]])
+    sampler = torch.tensor([[5.0, -1.5, -2.0], [1.0, -0.25, float("inf")]])
+    mask = torch.tensor([[False, True, True], [False, True, False]])
+    out = logprob_mismatch(trainer, sampler, mask)
+    assert out["logprob_mismatch_mean"] == pytest.approx((0.5 + 0.0 + 0.25) / 3)
+    assert out["logprob_mismatch_max"] == pytest.approx(0.5)
