@@ -1,0 +1,98 @@
+"""Finding environments: built-ins, plugins from entry points, and `package.module:Class` paths.
+
+Built-ins register under `agent_grpo/<Name>-v0` when `agent_grpo.envs` is imported. Other
+packages add environments through the entry-point group `agent_grpo.envs`: each entry point names
+a zero-argument function that calls `gymnasium.register` (ours is
+`builtin = "agent_grpo.envs:register_builtin_envs"`). `register_envs()` runs them all once per
+process; a plugin that fails to load is logged and skipped, so one broken package does not hide
+every other environment.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+from gymnasium.envs.registration import EnvSpec
+
+from agent_grpo.logs import get_logger
+
+__all__ = ["ENTRY_POINT_GROUP", "EnvListing", "list_envs", "make_env", "register_envs"]
+
+ENTRY_POINT_GROUP = "agent_grpo.envs"
+"""Entry-point group scanned for environment plugins."""
+
+_log = get_logger(__name__)
+_plugin_ids: dict[str, str] = {}
+_loaded = False
+
+
+@dataclass(frozen=True)
+class EnvListing:
+    """One environment known to `agent-grpo envs`."""
+
+    id: str
+    """Gymnasium id to pass to `make_env` or `env.id` in a config."""
+    entry_point: str
+    """Where the class lives (`module:Class`)."""
+    source: str
+    """`builtin`, or the name of the entry point that registered it."""
+
+    def __str__(self) -> str:
+        """One line for `agent-grpo envs`: id, entry point and source."""
+        return f"{self.id:<32} {self.entry_point}  [{self.source}]"
+
+
+def register_envs(force: bool = False) -> None:
+    """Register the built-ins and run every `agent_grpo.envs` entry point (once, unless forced)."""
+    global _loaded
+    from agent_grpo.envs import register_builtin_envs
+
+    register_builtin_envs()
+    if _loaded and not force:
+        return
+    _loaded = True
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        before = set(gym.registry)
+        try:
+            entry.load()()
+        except Exception as error:
+            _log.warning("environment plugin %s (%s) failed: %s", entry.name, entry.value, error)
+            continue
+        for env_id in set(gym.registry) - before:
+            _plugin_ids[env_id] = entry.name
+
+
+def _is_path(id_or_path: str) -> bool:
+    module, sep, attr = id_or_path.partition(":")
+    return bool(sep and module and attr) and "/" not in module
+
+
+def make_env(id_or_path: str, **kwargs: Any) -> gym.Env[Any, Any]:
+    """Make an environment from a registered id or a `package.module:Class` path."""
+    register_envs()
+    if id_or_path in gym.registry or not _is_path(id_or_path):
+        return gym.make(id_or_path, **kwargs)
+    # The path is a valid gymnasium id (names may hold `.` and `:`), so the env gets a spec and
+    # the same wrappers as a registered one, without polluting the global registry.
+    return gym.make(EnvSpec(id=id_or_path, entry_point=id_or_path), **kwargs)
+
+
+def list_envs() -> list[EnvListing]:
+    """Built-in and plugin environments, sorted by id."""
+    from agent_grpo.envs import BUILTIN_ENVS, NAMESPACE
+
+    register_envs()
+    builtin = {f"{NAMESPACE}/{name}" for name in BUILTIN_ENVS}
+    listings = []
+    for env_id in sorted(builtin | set(_plugin_ids)):
+        spec = gym.registry[env_id]
+        entry_point = (
+            spec.entry_point if isinstance(spec.entry_point, str) else repr(spec.entry_point)
+        )
+        source = "builtin" if env_id in builtin else _plugin_ids[env_id]
+        listings.append(EnvListing(id=env_id, entry_point=entry_point, source=source))
+    return listings

@@ -1,0 +1,94 @@
+"""Final-answer parsing and verdicts shared by the built-in environments.
+
+Every built-in env asks for the same answer line, `Answer: <answer>`, so a small model learns one
+format. The answer is the text after the last `Answer:` (case-insensitive), up to the end of that
+line. Without an `Answer:` line there is no answer and the verdict is a failure: we reward the
+format, not a number that happens to appear somewhere in the text.
+
+Where we depart from exact match: numbers compare by value (`1,234`, `1234.0` and `1234` agree),
+and text answers compare by normalized words (case, punctuation and a leading `the` ignored), with
+a little slack: the expected words may sit inside a slightly longer answer ("the river Ousel" for
+"Ousel"), but not inside an answer that lists many candidates. `exact_verdict` is for answers
+where case and every character matter (a transformed string).
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+from agent_grpo.env import Verdict
+
+__all__ = [
+    "ANSWER_FORMAT",
+    "exact_verdict",
+    "extract_answer",
+    "number_verdict",
+    "parse_number",
+    "text_verdict",
+]
+
+ANSWER_FORMAT = "Answer: <answer>"
+"""How every built-in env asks for the final answer."""
+TEXT_SLACK_WORDS = 3
+"""Extra words a text answer may have around the expected words."""
+
+_ANSWER = re.compile(r"answer\s*:", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def extract_answer(text: str) -> str | None:
+    """The text after the last `Answer:` up to the end of its line, stripped; None if absent."""
+    matches = list(_ANSWER.finditer(text))
+    if not matches:
+        return None
+    return text[matches[-1].end() :].strip().split("\n", 1)[0].strip()
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The first number in `text` (commas as thousands separators allowed), exactly; or None."""
+    match = _NUMBER.search(text)
+    return Fraction(match.group().replace(",", "")) if match else None
+
+
+def number_verdict(text: str, expected: int | Fraction) -> Verdict:
+    """Success iff the answer line's first number equals `expected`."""
+    answer = extract_answer(text)
+    if answer is None:
+        return Verdict(success=False, expected=str(expected), detail="no 'Answer:' line")
+    value = parse_number(answer)
+    if value is None:
+        return Verdict(success=False, expected=str(expected), given=answer, detail="no number")
+    ok = value == expected
+    return Verdict(success=ok, expected=str(expected), given=answer, detail="" if ok else "wrong")
+
+
+def _words(text: str) -> list[str]:
+    words = _WORD.findall(text.lower())
+    return words[1:] if words[:1] == ["the"] else words
+
+
+def _contains(haystack: list[str], needle: list[str]) -> bool:
+    n = len(needle)
+    return any(haystack[i : i + n] == needle for i in range(len(haystack) - n + 1))
+
+
+def text_verdict(text: str, expected: str) -> Verdict:
+    """Success iff the answer line holds the expected words, with at most a few extra words."""
+    answer = extract_answer(text)
+    if answer is None:
+        return Verdict(success=False, expected=expected, detail="no 'Answer:' line")
+    given, wanted = _words(answer), _words(expected)
+    ok = _contains(given, wanted) and len(given) <= len(wanted) + TEXT_SLACK_WORDS
+    return Verdict(success=ok, expected=expected, given=answer, detail="" if ok else "wrong")
+
+
+def exact_verdict(text: str, expected: str) -> Verdict:
+    """Success iff the answer line is exactly `expected` (surrounding quotes and spaces ignored)."""
+    answer = extract_answer(text)
+    if answer is None:
+        return Verdict(success=False, expected=expected, detail="no 'Answer:' line")
+    given = answer.strip().strip("'\"`").strip()
+    ok = given == expected
+    return Verdict(success=ok, expected=expected, given=answer, detail="" if ok else "wrong")
