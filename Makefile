@@ -39,7 +39,7 @@ lint: install
 	$(BIN)/ruff format --check .
 
 typecheck: install
-	PATH=$(BIN):$$PATH scripts/typecheck.sh
+	scripts/typecheck.sh
 
 pytest: install model
 	$(BIN)/python -m pytest -q

@@ -57,18 +57,19 @@ def _add_config_command(
     return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, with_replay: bool = True) -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
-    from agent_grpo.replay import add_inspect_parser, add_replay_parser
-
     parser = argparse.ArgumentParser(prog="agent-grpo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train = _add_config_command(sub, "train", "train a policy with GRPO", _cmd_train)
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     _add_config_command(sub, "eval", "evaluate a model on held-out seeds", _cmd_eval)
     sub.add_parser("envs", help="list registered environments").set_defaults(func=_cmd_envs)
-    add_replay_parser(sub)
-    add_inspect_parser(sub)
+    if with_replay:  # rich/matplotlib-heavy; `model fetch` must not depend on it
+        from agent_grpo.replay import add_inspect_parser, add_replay_parser
+
+        add_replay_parser(sub)
+        add_inspect_parser(sub)
     model = sub.add_parser("model", help="manage the embedded default model")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     fetch = model_sub.add_parser("fetch", help="fetch, verify and convert the embedded model")
@@ -81,10 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `agent-grpo` command."""
     setup_logging()
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(with_replay=argv[:1] != ["model"]).parse_args(argv)
+    from agent_grpo.models import CorruptModelError, ModelFetchError, ModelNotFoundError
+
     try:
         return int(args.func(args))
-    except ConfigError as error:
+    except (ConfigError, ModelNotFoundError, ModelFetchError, CorruptModelError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
