@@ -110,7 +110,7 @@ def train_sft(
             for rows in micro_batches_by_tokens(lengths, micro_batch_tokens):
                 loss = sft_loss(model, batch.select(rows), denominator)
                 loss.backward()
-                total += float(loss)
+                total += float(loss.detach())
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

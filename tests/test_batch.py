@@ -18,11 +18,18 @@ def make_record(provenance: list[Provenance], advantage: float = 0.0) -> Traject
     """A synthetic record whose token ids are 100 + position and logprobs -0.1 * position."""
     n = len(provenance)
     return TrajectoryRecord(
-        group_id="g", task_id="t", index_in_group=0, group_size=1, env_id="e", seed=0,
+        group_id="g",
+        task_id="t",
+        index_in_group=0,
+        group_size=1,
+        env_id="e",
+        seed=0,
         messages=[Message(role="user", content="x")],
-        token_ids=[100 + i for i in range(n)], provenance=provenance,
+        token_ids=[100 + i for i in range(n)],
+        provenance=provenance,
         sampler_logprobs=[-0.1 * i if p is M else None for i, p in enumerate(provenance)],
-        termination=Termination(kind="terminated", reason="test"), lengths=Lengths(total=n),
+        termination=Termination(kind="terminated", reason="test"),
+        lengths=Lengths(total=n),
         advantage=advantage,
     )
 
@@ -31,8 +38,10 @@ def test_pack_records_pads_right_and_masks_only_model_tokens() -> None:
     a = make_record([P, P, M, M, T, O, M], advantage=1.5)
     b = make_record([P, M, M], advantage=-0.5)
     batch = pack_records([a, b], pad_id=2)
-    assert batch.input_ids.tolist() == [[100, 101, 102, 103, 104, 105, 106],
-                                         [100, 101, 102, 2, 2, 2, 2]]
+    assert batch.input_ids.tolist() == [
+        [100, 101, 102, 103, 104, 105, 106],
+        [100, 101, 102, 2, 2, 2, 2],
+    ]
     assert batch.attention_mask.tolist() == [[1] * 7, [1, 1, 1, 0, 0, 0, 0]]
     assert batch.loss_mask.tolist() == [
         [False, False, True, True, False, False, True],
@@ -58,7 +67,9 @@ def test_micro_batches_golden() -> None:
 
 
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=40), st.integers(1, 120))
-def test_micro_batches_cover_every_row_once_in_order_and_fit(lengths: list[int], budget: int) -> None:
+def test_micro_batches_cover_every_row_once_in_order_and_fit(
+    lengths: list[int], budget: int
+) -> None:
     groups = micro_batches_by_tokens(lengths, budget)
     assert [i for g in groups for i in g] == list(range(len(lengths)))
     for group in groups:

@@ -22,10 +22,19 @@ from agent_grpo.trajectory import Lengths, Message, Termination, TrajectoryRecor
 
 def record(reward: float, answer: str) -> TrajectoryRecord:
     return TrajectoryRecord(
-        group_id="g", task_id="t", index_in_group=0, group_size=1, env_id="e", seed=0,
+        group_id="g",
+        task_id="t",
+        index_in_group=0,
+        group_size=1,
+        env_id="e",
+        seed=0,
         messages=[Message(role="user", content="2+2?"), Message(role="assistant", content=answer)],
-        token_ids=[], provenance=[], sampler_logprobs=[], reward=reward,
-        termination=Termination(kind="terminated", reason="t"), lengths=Lengths(),
+        token_ids=[],
+        provenance=[],
+        sampler_logprobs=[],
+        reward=reward,
+        termination=Termination(kind="terminated", reason="t"),
+        lengths=Lengths(),
     )
 
 
@@ -66,9 +75,16 @@ def test_parse_judge_score_clamps_and_defaults() -> None:
 
 def test_reward_model_scores_with_a_sequence_classifier(tmp_path, tokenizer) -> None:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     LlamaForSequenceClassification(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     fn = build_reward_fn(RewardModelRewardConfig(name="rm", model=str(tmp_path)))

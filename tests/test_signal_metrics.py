@@ -19,26 +19,45 @@ from agent_grpo.trajectory import (
 )
 
 
-def record(group: str, reward: float, model_ids: list[int], calls: int = 0,
-           malformed: int = 0) -> TrajectoryRecord:
+def record(
+    group: str, reward: float, model_ids: list[int], calls: int = 0, malformed: int = 0
+) -> TrajectoryRecord:
     ids = [1, *model_ids]
     prov = [Provenance.PROMPT] + [Provenance.MODEL] * len(model_ids)
-    turn = TurnRecord(index=0, model_text="x", token_start=1, token_end=len(ids),
-                      finish_reason="stop",
-                      tool_calls=[ToolCallRecord(name="t") for _ in range(calls)])
+    turn = TurnRecord(
+        index=0,
+        model_text="x",
+        token_start=1,
+        token_end=len(ids),
+        finish_reason="stop",
+        tool_calls=[ToolCallRecord(name="t") for _ in range(calls)],
+    )
     return TrajectoryRecord(
-        group_id=group, task_id=group, index_in_group=0, group_size=2, env_id="e", seed=0,
-        messages=[Message(role="user", content="q")], token_ids=ids, provenance=prov,
-        sampler_logprobs=[None] + [-1.0] * len(model_ids), reward=reward, success=reward > 0,
-        turns=[turn], termination=Termination(kind="terminated", reason="t"),
-        lengths=Lengths(model=len(model_ids), total=len(ids)), malformed_tool_calls=malformed,
+        group_id=group,
+        task_id=group,
+        index_in_group=0,
+        group_size=2,
+        env_id="e",
+        seed=0,
+        messages=[Message(role="user", content="q")],
+        token_ids=ids,
+        provenance=prov,
+        sampler_logprobs=[None] + [-1.0] * len(model_ids),
+        reward=reward,
+        success=reward > 0,
+        turns=[turn],
+        termination=Termination(kind="terminated", reason="t"),
+        lengths=Lengths(model=len(model_ids), total=len(ids)),
+        malformed_tool_calls=malformed,
     )
 
 
 def test_dead_groups_and_duplicates() -> None:
     records = [
-        record("a", 1.0, [5, 6], calls=1), record("a", 0.0, [7], calls=1, malformed=1),
-        record("b", 0.5, [9, 9, 9]), record("b", 0.5, [9, 9, 9]),  # dead and duplicated
+        record("a", 1.0, [5, 6], calls=1),
+        record("a", 0.0, [7], calls=1, malformed=1),
+        record("b", 0.5, [9, 9, 9]),
+        record("b", 0.5, [9, 9, 9]),  # dead and duplicated
     ]
     assert dead_group_mask(records) == [False, False, True, True]
     m = signal_metrics(records, advantages=[0.7, -0.7, 0.0, 0.0])

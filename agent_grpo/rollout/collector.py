@@ -174,15 +174,13 @@ def _generate_turn(
     ]
 
 
-def _record_model_turn(ep: _Episode, gen: Generation, turn: int, tokenizer: Any) -> TurnRecord:
-    start = len(ep.builder.token_ids)
-    ep.builder.add_model_turn(gen.token_ids, gen.logprobs)
-    text = ep.builder.messages[-1].content
+def _record_model_turn(ep: _Episode, gen: Generation, turn: int) -> TurnRecord:
+    span = ep.builder.add_model_turn(gen.token_ids, gen.logprobs)
     record = TurnRecord(
         index=turn,
-        model_text=text,
-        token_start=start,
-        token_end=start + len(gen.token_ids),
+        model_text=span.model_text,
+        token_start=span.start,
+        token_end=span.end,
         finish_reason=gen.finish_reason,
     )
     ep.turns.append(record)
@@ -294,7 +292,7 @@ def _run_turn(
     metrics.model_time_s += time.perf_counter() - started
     stepping = []
     for ep, (gen, cut) in zip(active, outputs, strict=True):
-        _record_model_turn(ep, gen, turn, tokenizer)
+        _record_model_turn(ep, gen, turn)
         metrics.generated_tokens += len(gen.token_ids)
         metrics.reused_prefix_tokens += int(gen.extra.get("reused_tokens", 0))
         if not _end_turn(ep, gen, cut):

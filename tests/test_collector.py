@@ -1,0 +1,197 @@
+"""The rollout collector: groups batched per turn, every ending recorded, invariants on records."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from pydantic import BaseModel
+
+from agent_grpo.env import ToolEnv, Verdict
+from agent_grpo.envs.answers import text_verdict
+from agent_grpo.rollout.backend import Generation, SamplingConfig
+from agent_grpo.rollout.collector import CollectorConfig, Task, collect_groups
+from agent_grpo.tokens import check_invariants
+from agent_grpo.tool import tool
+from agent_grpo.trajectory import Provenance
+
+
+class ScriptedBackend:
+    """Answers turn k of every prompt with `script[k]` (k = assistant turns already taken)."""
+
+    def __init__(self, tokenizer: Any, script: list[str], eos: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.script = script
+        self.eos = eos
+        self.calls: list[int] = []  # batch size of every generate call
+        self.assistant = tokenizer.encode("<|im_start|>assistant", add_special_tokens=False)
+
+    def _turn(self, prompt: list[int]) -> int:
+        n = len(self.assistant)
+        starts = sum(prompt[i : i + n] == self.assistant for i in range(len(prompt) - n + 1))
+        return starts - 1
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 seeds: list[int]) -> list[Generation]:
+        self.calls.append(len(prompts))
+        out = []
+        for prompt in prompts:
+            text = self.script[min(self._turn(prompt), len(self.script) - 1)]
+            ids = self.tokenizer.encode(text, add_special_tokens=False)[: sampling.max_tokens]
+            finish = "length" if len(ids) == sampling.max_tokens else "stop"
+            if self.eos and finish == "stop":
+                ids = [*ids, self.tokenizer.eos_token_id]
+            out.append(Generation(ids, [-0.5] * len(ids), finish))
+        return out
+
+    def update_weights(self, model: torch.nn.Module) -> None:
+        """Nothing to update."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'
+
+
+def test_calculator_groups_are_batched_per_turn_and_pass_invariants(tokenizer) -> None:
+    backend = ScriptedBackend(tokenizer, [CALL, "Answer: 408"])
+    tasks = [Task(env_id="agent_grpo/Calculator-v0", seed=s) for s in (3, 7, 11)]
+    config = CollectorConfig(group_size=2, sampling=SamplingConfig(max_tokens=64), progress=False)
+    result = collect_groups(tasks, backend, tokenizer, config)
+    # two turns, each ONE call covering all 3 x 2 trajectories
+    assert backend.calls == [6, 6]
+    records = result.records
+    assert [r.task_id for r in records] == [t.task_id for t in tasks for _ in range(2)]
+    assert len({r.group_id for r in records}) == 3
+    for record in records:
+        check_invariants(record, tokenizer)
+        assert record.termination.kind == "terminated"
+        assert [t.tool_calls[0].result for t in record.turns[:1]] == ["408"]
+        assert record.lengths.turns == 2 == len(record.turns)
+        assert record.group_member_ids == [f"{record.group_id}/0", f"{record.group_id}/1"]
+        kinds = set(record.provenance)
+        assert kinds == {Provenance.PROMPT, Provenance.MODEL, Provenance.TEMPLATE,
+                         Provenance.OBSERVATION}
+    assert result.metrics.tool_calls == 6 and result.metrics.tool_errors == 0
+    assert result.metrics.generated_tokens == sum(r.lengths.model for r in records)
+
+
+def test_max_tokens_per_turn_truncates_without_verifying(tokenizer) -> None:
+    backend = ScriptedBackend(tokenizer, ["Answer: " + "9" * 200])
+    config = CollectorConfig(group_size=1, sampling=SamplingConfig(max_tokens=8), progress=False)
+    [record] = collect_groups([Task(env_id="agent_grpo/Calculator-v0", seed=1)], backend,
+                              tokenizer, config).records
+    assert record.termination.kind == "truncated"
+    assert record.termination.reason == "max_tokens_per_turn"
+    assert record.reward == 0.0 and record.lengths.model == 8
+
+
+def test_context_limit_drops_sampled_tokens_past_it(tokenizer) -> None:
+    backend = ScriptedBackend(tokenizer, [CALL, "Answer: 408"])
+    probe = collect_groups([Task(env_id="agent_grpo/Calculator-v0", seed=1)], backend, tokenizer,
+                           CollectorConfig(group_size=1, progress=False)).records[0]
+    prompt_len = probe.lengths.prompt
+    config = CollectorConfig(group_size=1, max_context_tokens=prompt_len + 5, progress=False)
+    [record] = collect_groups([Task(env_id="agent_grpo/Calculator-v0", seed=1)], backend,
+                              tokenizer, config).records
+    assert record.termination.reason == "max_context"
+    assert len(record.token_ids) == prompt_len + 5
+    check_invariants(record, tokenizer)
+
+
+# ---- environments that misbehave -----------------------------------------------------------------
+
+
+@tool(timeout_s=0.3)
+def slow(seconds: float) -> str:
+    """Sleep, then answer."""
+    time.sleep(seconds)
+    return "done"
+
+
+class SlowTask(BaseModel):
+    """The number of seconds the tool should sleep."""
+
+    seconds: float
+
+
+class SlowEnv(ToolEnv[SlowTask]):
+    """Calls a tool that may sleep past its timeout; `step_sleep` stalls the whole step."""
+
+    system_prompt = "Call slow, then reply Answer: done"
+    tools = (slow,)
+    default_max_turns = 3
+
+    def __init__(self, step_sleep: float = 0.0, fail: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.step_sleep = step_sleep
+        self.fail = fail
+
+    def generate_task(self, rng: np.random.Generator) -> SlowTask:
+        return SlowTask(seconds=float(rng.choice([0.0, 5.0])))
+
+    def user_prompt(self, task: SlowTask) -> str:
+        return "Go."
+
+    def verify(self, task: SlowTask, answer: str) -> Verdict:
+        return text_verdict(answer, "done")
+
+    def step(self, action: str) -> Any:
+        if self.fail:
+            raise RuntimeError("environment exploded")
+        time.sleep(self.step_sleep)
+        return super().step(action)
+
+
+SLOW = "test_collector:SlowEnv"
+SLOW_CALL = '<tool_call>{"name": "slow", "arguments": {"seconds": 5}}</tool_call>'
+
+
+def test_a_tool_past_its_timeout_is_recorded_and_the_batch_finishes(tokenizer) -> None:
+    backend = ScriptedBackend(tokenizer, [SLOW_CALL, "Answer: done"])
+    config = CollectorConfig(group_size=4, progress=False)
+    started = time.perf_counter()
+    records = collect_groups([Task(env_id=SLOW, seed=0)], backend, tokenizer, config).records
+    assert time.perf_counter() - started < 3.0  # 4 concurrent 5 s sleeps, each cut at 0.3 s
+    for record in records:
+        call = record.turns[0].tool_calls[0]
+        assert call.error_kind == "timeout"
+        assert record.termination.kind == "terminated" and record.success
+
+
+def test_a_hanging_or_failing_env_errors_only_its_own_trajectory(tokenizer) -> None:
+    backend = ScriptedBackend(tokenizer, ["Answer: done"])
+    tasks = [
+        Task(env_id=SLOW, seed=0, env_kwargs={"step_sleep": 3.0}),
+        Task(env_id=SLOW, seed=0, env_kwargs={"fail": True}),
+        Task(env_id=SLOW, seed=0),
+    ]
+    config = CollectorConfig(group_size=2, env_step_timeout_s=0.5, progress=False)
+    started = time.perf_counter()
+    records = collect_groups(tasks, backend, tokenizer, config).records
+    assert time.perf_counter() - started < 2.5
+    kinds = [(r.termination.kind, r.termination.reason) for r in records]
+    assert kinds[:2] == [("error", "env step timeout (0.5s)")] * 2
+    assert kinds[2:4] == [("error", "RuntimeError: environment exploded")] * 2
+    assert kinds[4:] == [("terminated", "final_answer")] * 2
+    assert [r.success for r in records[4:]] == [True, True]
+
+
+def test_hf_backend_same_seeds_same_trajectories(tokenizer, tiny_model) -> None:
+    from agent_grpo.rollout.hf_backend import HFBackend
+
+    model, _ = tiny_model
+    tasks = [Task(env_id="agent_grpo/Calculator-v0", seed=s) for s in (1, 2)]
+    config = CollectorConfig(group_size=3, progress=False,
+                             sampling=SamplingConfig(temperature=1.0, max_tokens=12, seed=5))
+    runs = [collect_groups(tasks, HFBackend(model, tokenizer), tokenizer, config).records
+            for _ in range(2)]
+    for a, b in zip(*runs, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.sampler_logprobs == pytest.approx(b.sampler_logprobs, abs=1e-6)
+    # different samples within a group: the per-sample seeds differ
+    assert len({tuple(r.token_ids) for r in runs[0][:3]}) > 1
