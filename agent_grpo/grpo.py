@@ -1,0 +1,279 @@
+"""Pure GRPO math: group-relative advantages, KL estimators, the clipped policy loss.
+
+Every function here takes tensors and returns tensors (plus float metrics); nothing touches a
+model, a tokenizer or a config, so the golden tests in `tests/test_grpo.py` pin each formula.
+
+Shapes: `B` sequences (all groups of a step, flattened), `T` tokens per padded sequence.
+`mask` is True exactly on tokens the policy sampled (`Provenance.MODEL`); every other position
+(prompt, template, observation, padding) may hold anything, NaN included, and must not change a
+result or a gradient. We enforce that with `torch.where` on the *inputs*, never `x * mask`
+(`nan * 0` is `nan`, and a NaN that reaches `exp` in the forward poisons the backward even when a
+later `where` discards it).
+
+Where we depart from the papers, and why:
+- DeepSeekMath GRPO averages each sequence's token losses, then averages sequences. Our default
+  `token-mean` divides the batch's token-loss sum by its number of trained tokens instead
+  (DAPO's token-level loss), so a long multi-turn episode is not down-weighted per token. The
+  paper's form is `seq-mean-token-mean`; Dr. GRPO's length-unbiased form is
+  `seq-mean-token-sum-norm`.
+- DeepSeekMath puts the KL in the loss with the k3 estimator and beta=0.04. We default to beta=0
+  (DAPO, Dr. GRPO: no reference model to keep in memory) and offer k1/k2/k3.
+- DAPO's clip-higher is `clip_high > clip_low`; both default to PPO's symmetric 0.2.
+- Dr. GRPO drops the division by the group std: `scale="none"`. RLOO's leave-one-out baseline is
+  `leave_one_out=True`; combined with `scale="group"` it is still divided by the whole group's
+  std, a choice of ours (RLOO itself does not scale).
+- Groups whose rewards are all equal (or that have one member) get advantage exactly 0 rather
+  than `0 / eps` noise; they contribute no policy gradient, only their KL term if beta > 0.
+- `is_weights` applies truncated importance sampling (Yao et al., "Your efficient RL framework
+  secretly brings you off-policy RL training") to the sampler/trainer logprob mismatch; the
+  papers assume the two are identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Aggregation",
+    "KLKind",
+    "PolicyLossMetrics",
+    "group_advantages",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "policy_loss",
+    "truncated_is_weights",
+]
+
+KLKind = Literal["k1", "k2", "k3"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def _group_index(group_ids: Tensor | Sequence[Hashable], device: torch.device) -> Tensor:
+    """Map arbitrary group ids to dense indices 0..G-1, one per sample."""
+    if isinstance(group_ids, Tensor):
+        _, inverse = torch.unique(group_ids, return_inverse=True)  # [B]
+        return inverse.to(device)
+    dense: dict[Hashable, int] = {}
+    return torch.tensor([dense.setdefault(g, len(dense)) for g in group_ids], device=device)
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_ids: Tensor | Sequence[Hashable],
+    *,
+    scale: Literal["group", "none"] = "group",
+    leave_one_out: bool = False,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Group-relative advantages: `A_i = (r_i - mean_g) / (std_g + eps)` within each group.
+
+    `std_g` is the unbiased (n - 1) sample std of group g. `scale="none"` drops the division
+    (Dr. GRPO). `leave_one_out=True` uses the mean of the *other* members as the baseline (RLOO),
+    `r_i - (sum_g - r_i) / (n - 1) = n / (n - 1) * (r_i - mean_g)`, still divided by `std_g`
+    when `scale="group"`. Groups of one and groups with all-equal rewards get exactly 0.
+    Group ids need not be contiguous or sorted.
+    """
+    rewards = rewards.to(torch.float64)  # [B]; fp64: std of large, close rewards stays precise
+    index = _group_index(group_ids, rewards.device)  # [B]
+    num_groups = int(index.max()) + 1 if index.numel() else 0
+    zeros = rewards.new_zeros(num_groups)  # [G]
+    count = zeros.index_add(0, index, torch.ones_like(rewards))  # [G]
+    total = zeros.index_add(0, index, rewards)  # [G]
+    mean = total / count  # [G]
+    centered = rewards - mean[index]  # [B]
+    var = zeros.index_add(0, index, centered**2) / (count - 1).clamp(min=1)  # [G]
+    std = var.sqrt()[index]  # [B]
+    n = count[index]  # [B]
+    if leave_one_out:
+        centered = centered * n / (n - 1).clamp(min=1)  # [B]
+    advantages = centered / (std + eps) if scale == "group" else centered  # [B]
+    high = zeros.scatter_reduce(0, index, rewards, "amax", include_self=False)  # [G]
+    low = zeros.scatter_reduce(0, index, rewards, "amin", include_self=False)  # [G]
+    degenerate = (n < 2) | (high == low)[index]  # [B]
+    return torch.where(degenerate, 0.0, advantages).to(torch.float32)  # [B]
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k3") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman's k1/k2/k3).
+
+    With `d = logp_ref - logp`: k1 = -d (unbiased, can be negative), k2 = d^2 / 2 (biased, low
+    variance), k3 = exp(d) - d - 1 (unbiased, always >= 0). Same shape as the inputs.
+    """
+    d = ref_logprobs - logprobs  # [B, T]
+    if kind == "k1":
+        return -d
+    if kind == "k2":
+        return 0.5 * d**2
+    if kind == "k3":
+        return torch.exp(d) - d - 1
+    raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
+
+
+def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Sum of `values` where `mask` is True; masked-out entries (even NaN/inf) are ignored."""
+    kept = torch.where(mask, values, 0.0)
+    return kept.sum() if dim is None else kept.sum(dim)
+
+
+def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of `values` where `mask` is True; an empty selection gives 0, not NaN."""
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1)
+
+
+@dataclass(frozen=True)
+class PolicyLossMetrics:
+    """Diagnostics of one `policy_loss` call, as plain floats (computed without grad)."""
+
+    clip_frac_low: float
+    """Fraction of trained tokens with ratio < 1 - clip_low and A < 0 (gradient cut off)."""
+    clip_frac_high: float
+    """Fraction of trained tokens with ratio > 1 + clip_high and A > 0 (gradient cut off)."""
+    clip_frac: float
+    """clip_frac_low + clip_frac_high: fraction of trained tokens that get no policy gradient."""
+    approx_kl_old: float
+    """Mean k3 estimate of KL(pi_old || pi) over trained tokens: how far this update has moved."""
+    kl_ref: float | None
+    """Mean of the chosen estimator of KL(pi || pi_ref) over trained tokens; None without ref."""
+    ratio_mean: float
+    """Mean of pi / pi_old over trained tokens (1.0 when there are none)."""
+    ratio_min: float
+    """Smallest ratio over trained tokens (1.0 when there are none)."""
+    ratio_max: float
+    """Largest ratio over trained tokens (1.0 when there are none)."""
+    num_tokens: int
+    """Number of trained (masked-in) tokens in this call."""
+
+    def as_dict(self) -> dict[str, float]:
+        """The metrics as a flat dict of floats, for loggers (`kl_ref` left out when None)."""
+        return {k: float(v) for k, v in asdict(self).items() if v is not None}
+
+
+def _aggregate(
+    per_token: Tensor,
+    mask: Tensor,
+    aggregation: Aggregation,
+    max_tokens: int | None,
+    denominator: float | Tensor | None,
+) -> Tensor:
+    """Reduce a `[B, T]` per-token loss to a scalar (see `policy_loss` for each mode)."""
+    if aggregation == "token-mean":
+        count = mask.sum().clamp(min=1) if denominator is None else denominator
+        return masked_sum(per_token, mask) / count
+    if aggregation == "seq-mean-token-mean":
+        has_tokens = mask.any(dim=-1)  # [B]
+        seq_means = masked_mean(per_token, mask, dim=-1)  # [B]
+        count = has_tokens.sum().clamp(min=1) if denominator is None else denominator
+        return masked_sum(seq_means, has_tokens) / count
+    if aggregation == "seq-mean-token-sum-norm":
+        if max_tokens is None:
+            raise ValueError("aggregation 'seq-mean-token-sum-norm' needs max_tokens")
+        count = per_token.shape[0] * max_tokens if denominator is None else denominator
+        return masked_sum(per_token, mask) / count
+    raise ValueError(f"unknown aggregation {aggregation!r}")
+
+
+@torch.no_grad()
+def _metrics(
+    ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    approx_kl_old: Tensor,
+    kl_ref: Tensor | None,
+) -> PolicyLossMetrics:
+    """Clip fractions, KLs and ratio statistics over the masked tokens."""
+    low = masked_mean(((ratio < 1 - clip_low) & (advantages < 0)).float(), mask)
+    high = masked_mean(((ratio > 1 + clip_high) & (advantages > 0)).float(), mask)
+    num_tokens = int(mask.sum())
+    has_tokens = num_tokens > 0
+    return PolicyLossMetrics(
+        clip_frac_low=float(low),
+        clip_frac_high=float(high),
+        clip_frac=float(low + high),
+        approx_kl_old=float(masked_mean(approx_kl_old, mask)),
+        kl_ref=None if kl_ref is None else float(masked_mean(kl_ref, mask)),
+        ratio_mean=float(masked_mean(ratio, mask)) if has_tokens else 1.0,
+        ratio_min=float(ratio[mask].min()) if has_tokens else 1.0,
+        ratio_max=float(ratio[mask].max()) if has_tokens else 1.0,
+        num_tokens=num_tokens,
+    )
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ref_logprobs: Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    beta: float = 0.0,
+    kl: KLKind = "k3",
+    aggregation: Aggregation = "token-mean",
+    max_tokens: int | None = None,
+    is_weights: Tensor | None = None,
+    denominator: float | Tensor | None = None,
+) -> tuple[Tensor, PolicyLossMetrics]:
+    """Clipped GRPO surrogate: per token `-min(rho*A, clip(rho, 1-lo, 1+hi)*A) + beta*KL`.
+
+    `rho = exp(logprobs - old_logprobs)`; `old_logprobs`, `ref_logprobs` and `is_weights` are
+    constants (detached). `advantages` is `[B]` (one per sequence) or `[B, T]`. `is_weights`
+    multiplies the policy term only (truncated importance sampling), not the KL term.
+
+    Aggregation of the `[B, T]` per-token loss `l` over the masked tokens:
+    - `token-mean`: `sum(l) / number of masked tokens`.
+    - `seq-mean-token-mean`: mean over sequences of each one's masked-token mean; sequences with
+      no masked token are left out.
+    - `seq-mean-token-sum-norm`: `sum(l) / (B * max_tokens)` (Dr. GRPO).
+    `denominator` replaces the divisor (tokens, sequences, or `B * max_tokens`): with gradient
+    accumulation over micro-batches, pass the whole batch's count so the summed micro-batch
+    losses equal the loss of the whole batch.
+    """
+    mask = mask.bool()  # [B, T]
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logprobs)  # [B, T]
+    # Clean the inputs first so junk at masked positions never reaches exp() (see module doc).
+    logprobs = torch.where(mask, logprobs, 0.0)  # [B, T]
+    old = torch.where(mask, old_logprobs.detach(), 0.0)  # [B, T]
+    advantages = torch.where(mask, advantages.detach(), 0.0)  # [B, T]
+    log_ratio = logprobs - old  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)  # [B, T]
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)  # [B, T]
+    if is_weights is not None:
+        per_token = per_token * torch.where(mask, is_weights.detach(), 1.0)  # [B, T]
+    kl_ref = None
+    if ref_logprobs is not None:
+        ref = torch.where(mask, ref_logprobs.detach(), 0.0)  # [B, T]
+        kl_ref = kl_penalty(logprobs, ref, kl)  # [B, T]
+        if beta != 0.0:
+            per_token = per_token + beta * kl_ref  # [B, T]
+    elif beta != 0.0:
+        raise ValueError("beta != 0 needs ref_logprobs")
+    loss = _aggregate(per_token, mask, aggregation, max_tokens, denominator)
+    approx_kl_old = kl_penalty(old, logprobs.detach(), "k3")  # [B, T]
+    metrics = _metrics(ratio, advantages, mask, clip_low, clip_high, approx_kl_old, kl_ref)
+    return loss, metrics
+
+
+@torch.no_grad()
+def truncated_is_weights(
+    trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float
+) -> Tensor:
+    """Truncated importance weights: `min(exp(trainer - sampler), cap)` masked, 1 elsewhere.
+
+    Corrects for the sampling engine's distribution differing from the trainer's (kernels,
+    precision, top-p renormalisation). Detached: the weights are constants in the loss.
+    """
+    mask = mask.bool()  # [B, T]
+    log_ratio = torch.where(mask, trainer_logprobs - sampler_logprobs, 0.0)  # [B, T]
+    return torch.where(mask, torch.exp(log_ratio).clamp(max=cap), 1.0)  # [B, T]

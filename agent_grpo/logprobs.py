@@ -1,0 +1,144 @@
+"""Per-token logprobs of a causal LM, without ever holding a `[B, T, V]` fp32 logits tensor.
+
+A 49k-152k vocabulary makes the full fp32 logits of a training batch the largest tensor in the
+step (B=16, T=4096, V=152k is 40 GB), twice over once autograd saves it for `log_softmax`. So
+`token_logprobs` runs the backbone once, then applies the output head to `chunk_size` tokens at a
+time and keeps only each token's `logit[target] - logsumexp(logits)`. Each chunk runs under
+`torch.utils.checkpoint`, so the backward recomputes one chunk's logits at a time instead of
+keeping every chunk's alive. Padding targets are skipped, not computed and thrown away.
+
+Alignment: `out[:, t]` is `log p(input_ids[:, t] | input_ids[:, :t])`. Position 0 (and, in a
+left-padded row, the first real token) has no prefix and padding has no meaning: all are 0 in the
+output, and callers mask them (only model tokens are trained on). This is the layout of
+`TrajectoryRecord.token_ids` and its logprob arrays.
+
+Where we depart from common practice: TRL materialises the full logits and then loops over rows
+for the log-softmax; verl can use fused Triton kernels. We stay in plain PyTorch and accept a
+Python loop over chunks (and one recomputation of the head in the backward). Models that post-
+process logits beyond the output head (Gemma's soft-capping, Cohere's logit scale) are refused
+rather than silently mis-scored.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["position_ids_from_mask", "reference_token_logprobs", "token_logprobs"]
+
+DEFAULT_CHUNK_SIZE = 1024
+"""Tokens per head chunk: 1024 x 49152 fp32 logits is 200 MB, x 152k (Qwen) is 620 MB."""
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions 0, 1, ... counted over real tokens only (right or left padding); 0 on padding."""
+    positions = attention_mask.long().cumsum(-1) - 1  # [B, T]
+    return torch.where(attention_mask.bool(), positions, 0)  # [B, T]
+
+
+def _has_prefix(attention_mask: Tensor) -> Tensor:
+    """`[B, T-1]`: token t+1 is real and so is the position t that predicts it.
+
+    Excludes padding, and with left padding the first real token (its predictor is padding).
+    """
+    mask = attention_mask.bool()  # [B, T]
+    return mask[:, 1:] & mask[:, :-1]  # [B, T-1]
+
+
+def _check_plain_head(model: nn.Module) -> None:
+    """Refuse models whose logits are not simply `lm_head(hidden)`."""
+    config = getattr(model, "config", None)
+    for name in ("final_logit_softcapping", "logit_scale"):
+        if getattr(config, name, None) not in (None, 1.0):
+            raise NotImplementedError(f"token_logprobs does not support {name} models")
+
+
+def _upcast(logits: Tensor) -> Tensor:
+    """At least fp32 (bf16 logsumexp over a large vocabulary is too coarse); fp64 stays fp64."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    """`log_softmax(head(hidden) / temperature)` at `targets`, for one chunk of tokens."""
+    logits = _upcast(head(hidden)) / temperature  # [N, V]
+    picked = logits.gather(-1, targets[:, None]).squeeze(-1)  # [N]
+    return picked - torch.logsumexp(logits, dim=-1)  # [N]
+
+
+def _hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Final hidden states of the backbone (after its last norm), `[B, T, H]`."""
+    backbone = cast(nn.Module, model.get_decoder())  # type: ignore[operator]
+    out = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    return cast(Tensor, out.last_hidden_state)
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Tensor:
+    """Logprob of each token given its prefix, `[B, T]`, computed `chunk_size` tokens at a time.
+
+    At least fp32 (fp64 models give fp64). `out[:, 0]`, the first real token of a left-padded
+    row, and padded positions are 0.
+    Differentiable when grad is enabled (chunks are checkpointed); under `torch.no_grad()` it
+    simply loops over chunks.
+    """
+    _check_plain_head(model)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    batch, length = input_ids.shape
+    hidden = _hidden_states(model, input_ids, attention_mask)  # [B, T, H]
+    valid = _has_prefix(attention_mask).reshape(-1)  # [B*(T-1)]
+    index = valid.nonzero().squeeze(-1)  # [N]
+    flat_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[index]  # [N, H]
+    targets = input_ids[:, 1:].reshape(-1)[index]  # [N]
+    head = cast(nn.Module, model.get_output_embeddings())  # type: ignore[operator]
+    use_checkpoint = torch.is_grad_enabled() and flat_hidden.requires_grad
+    pieces = []
+    for start in range(0, targets.numel(), chunk_size):
+        h, y = flat_hidden[start : start + chunk_size], targets[start : start + chunk_size]
+        if use_checkpoint:
+            piece = checkpoint(_chunk_logprobs, head, h, y, temperature, use_reentrant=False)
+        else:
+            piece = _chunk_logprobs(head, h, y, temperature)
+        pieces.append(cast(Tensor, piece))  # [n]
+    values = torch.cat(pieces) if pieces else _upcast(hidden.new_zeros(0))  # [N]
+    flat = values.new_zeros(batch * (length - 1)).index_copy(0, index, values)  # [B*(T-1)]
+    first = values.new_zeros(batch, 1)  # [B, 1]
+    return torch.cat([first, flat.view(batch, length - 1)], dim=1)  # [B, T]
+
+
+def reference_token_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+) -> Tensor:
+    """The plain full-logits computation of `token_logprobs` (the test reference; O(B*T*V))."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    logits = _upcast(out.logits[:, :-1]) / temperature  # [B, T-1, V]
+    logprobs = F.log_softmax(logits, dim=-1)  # [B, T-1, V]
+    picked = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+    picked = torch.where(_has_prefix(attention_mask), picked, 0.0)  # [B, T-1]
+    return F.pad(picked, (1, 0))  # [B, T]

@@ -1,0 +1,180 @@
+"""Chunked `token_logprobs` equals the full-logits reference, and never holds full logits."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import agent_grpo.logprobs as logprobs_module
+from agent_grpo.logprobs import reference_token_logprobs, token_logprobs
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def _padded_batch(lengths: list[int], total: int, seed: int = 1) -> tuple[Tensor, Tensor]:
+    """Random ids, right-padded to `total` with pad id 2 (SmolLM2's eos) and a matching mask."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (len(lengths), total), generator=generator)  # [B, T]
+    mask = torch.arange(total)[None, :] < torch.tensor(lengths)[:, None]  # [B, T]
+    return torch.where(mask, ids, 2), mask.long()
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 10, 64])
+def test_chunked_equals_reference(model: LlamaForCausalLM, chunk_size: int) -> None:
+    ids, mask = _padded_batch([13, 9, 4], 13)  # 12 + 8 + 3 = 23 real targets
+    with torch.no_grad():
+        expected = reference_token_logprobs(model, ids, mask, temperature=0.7)
+        got = token_logprobs(model, ids, mask, temperature=0.7, chunk_size=chunk_size)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert got[:, 0].eq(0).all() and got[mask == 0].eq(0).all()
+    assert got[:, 1:][mask[:, 1:].bool()].lt(0).all()  # real logprobs are negative
+
+
+def test_temperature_divides_logits(model: LlamaForCausalLM) -> None:
+    # Near-uniform tiny model: logprobs sit near -log(V) = -10.8, and a hotter temperature
+    # flattens them further toward it; T=1 and T=0.5 must differ.
+    ids, mask = _padded_batch([8], 8)
+    with torch.no_grad():
+        hot = token_logprobs(model, ids, mask, temperature=2.0)
+        cold = token_logprobs(model, ids, mask, temperature=0.5)
+    uniform = -torch.log(torch.tensor(float(VOCAB)))
+    assert (hot[0, 1:] - uniform).abs().max() < (cold[0, 1:] - uniform).abs().max()
+
+
+def test_padding_does_not_change_a_sequence(model: LlamaForCausalLM) -> None:
+    ids, mask = _padded_batch([13, 6], 13)
+    with torch.no_grad():
+        batched = token_logprobs(model, ids, mask, chunk_size=5)
+        alone = token_logprobs(model, ids[1:, :6], chunk_size=5)
+    torch.testing.assert_close(batched[1, :6], alone[0], atol=1e-5, rtol=0)
+
+
+def test_left_padding_does_not_change_a_sequence(model: LlamaForCausalLM) -> None:
+    ids, mask = _padded_batch([6], 6)
+    left_ids = torch.cat([torch.full((1, 4), 2), ids], 1)  # [1, 10]: 4 pads, then the sequence
+    left_mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), mask], 1)  # [1, 10]
+    with torch.no_grad():
+        alone = token_logprobs(model, ids, mask)
+        left = token_logprobs(model, left_ids, left_mask, chunk_size=3)
+        expected = reference_token_logprobs(model, left_ids, left_mask)
+    torch.testing.assert_close(left[:, 4:], alone, atol=1e-5, rtol=0)
+    assert left[:, :5].eq(0).all()  # padding, then the first real token: no prefix, no logprob
+    torch.testing.assert_close(left, expected, atol=1e-5, rtol=0)
+
+
+def _grads(model: LlamaForCausalLM, loss: Tensor) -> list[Tensor]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return list(torch.autograd.grad(loss, params))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "chunk_size", "atol"), [(torch.float32, 4, 1e-4), (torch.float64, 7, 1e-9)]
+)
+def test_gradients_equal_reference(
+    model: LlamaForCausalLM, dtype: torch.dtype, chunk_size: int, atol: float
+) -> None:
+    # fp32 gradients reach ~9 here, so 1e-4 is float noise; fp64 pins the math itself.
+    model = copy.deepcopy(model).double() if dtype == torch.float64 else model
+    ids, mask = _padded_batch([11, 7], 11, seed=3)
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    full = reference_token_logprobs(model, ids, mask, temperature=0.7)  # [B, T]
+    chunked = token_logprobs(model, ids, mask, temperature=0.7, chunk_size=chunk_size)  # [B, T]
+    assert chunked.dtype == dtype
+    expected, got = _grads(model, (full * weights).sum()), _grads(model, (chunked * weights).sum())
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, atol=atol, rtol=atol)
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+
+class PeakLiveBytes(TorchDispatchMode):
+    """Peak bytes of tensor storages created inside the mode and still alive at once.
+
+    Each op's new output storages are tracked through weak references, so a storage counts
+    from the op that made it until it is freed (including ones autograd saves for backward).
+    Views and in-place results share an input's storage and are not counted twice.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor) and _key(t) not in inputs:
+                storage = t.untyped_storage()
+                self.live[_key(t)] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def _key(t: Tensor) -> int:
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+@contextmanager
+def frozen_head(model: LlamaForCausalLM) -> Iterator[None]:
+    """Freeze the tied embedding/head so its [V, H] gradient does not dominate the peak."""
+    weight = model.get_output_embeddings().weight
+    weight.requires_grad_(False)
+    try:
+        yield
+    finally:
+        weight.requires_grad_(True)
+
+
+def _peak_forward_backward(fn: Callable[[], Tensor]) -> int:
+    with PeakLiveBytes() as mode:
+        fn().sum().backward()
+    return mode.peak
+
+
+@pytest.mark.slow
+def test_chunked_peak_memory_is_far_below_full_logits(
+    model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids, mask = _padded_batch([128, 128], 128, seed=5)
+    full_logits_bytes = 2 * 128 * VOCAB * 4  # B * T * V fp32 = 50 MB; one chunk of 8 is 1.6 MB
+    with frozen_head(model):
+        reference = _peak_forward_backward(lambda: reference_token_logprobs(model, ids, mask))
+        chunked = _peak_forward_backward(lambda: token_logprobs(model, ids, mask, chunk_size=8))
+        # The same chunk loop without checkpointing keeps every chunk's logits for backward.
+        monkeypatch.setattr(logprobs_module, "checkpoint", lambda f, *a, use_reentrant: f(*a))
+        uncheckpointed = _peak_forward_backward(
+            lambda: token_logprobs(model, ids, mask, chunk_size=8)
+        )
+    # The measurement sees full logits when they exist, so the bound below can fail.
+    assert reference > full_logits_bytes
+    assert uncheckpointed > full_logits_bytes / 2
+    # Measured: 8.8 MB, about 4.4 chunks of logits (forward, softmax and grads) + activations.
+    assert chunked < full_logits_bytes / 4
