@@ -42,6 +42,7 @@ typecheck: install
 	scripts/typecheck.sh
 
 pytest: install model
+	scripts/install-chromium.sh
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck pytest

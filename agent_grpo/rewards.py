@@ -28,6 +28,7 @@ __all__ = [
     "RewardSourceConfig",
     "RuleRewardConfig",
     "apply_rewards",
+    "brevity",
     "build_reward_fn",
 ]
 
@@ -92,6 +93,11 @@ RewardSourceConfig = Annotated[
 def transcript(record: TrajectoryRecord) -> str:
     """The conversation as plain text, one `role: content` block per message."""
     return "\n\n".join(f"{m.role}: {m.content}" for m in record.messages)
+
+
+def brevity(record: TrajectoryRecord) -> float:
+    """An example rule: minus the number of sampled tokens, in hundreds (shorter is better)."""
+    return -record.lengths.model / 100.0
 
 
 def _rule_fn(config: RuleRewardConfig) -> RewardFn:

@@ -147,93 +147,112 @@ def advantages_of(records: Sequence[TrajectoryRecord], algo: AlgoConfig) -> torc
     return group_advantages(rewards, groups, scale=algo.scale, leave_one_out=algo.leave_one_out)
 
 
+def loss_denominator(batch: PackedBatch, algo: AlgoConfig, max_tokens: int) -> int:
+    """The whole minibatch's normaliser, so micro-batch losses add up to the minibatch loss."""
+    if algo.aggregation == "token-mean":
+        return max(1, batch.num_model_tokens)
+    if algo.aggregation == "seq-mean-token-mean":
+        return max(1, int(batch.loss_mask.any(dim=1).sum()))
+    return batch.input_ids.shape[0] * max_tokens
+
+
+def merge_metrics(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """Combine per-micro-batch metrics: min/max stay min/max, counts add, the rest token-weighted."""
+    total = sum(w for w, _ in parts) or 1.0
+    merged: dict[str, float] = {}
+    for key in parts[0][1]:
+        values = [m[key] for _, m in parts if key in m]
+        if key == "ratio_min":
+            merged[key] = min(values)
+        elif key == "ratio_max":
+            merged[key] = max(values)
+        elif key in ("num_tokens", "loss"):
+            merged[key] = sum(values)
+        else:
+            merged[key] = sum(w * m[key] for w, m in parts if key in m) / total
+    return merged
+
+
 def minibatch_update(
     policy: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: PackedBatch,
-    old: torch.Tensor,
+    old: torch.Tensor | None,
     ref: torch.Tensor | None,
-    is_weights: torch.Tensor | None,
     algo: AlgoConfig,
     temperature: float,
-) -> dict[str, float]:
-    """One optimizer step over a minibatch, accumulating gradients over token-sized micro-batches."""
-    rows_total = batch.input_ids.shape[0]
-    tokens_total = max(1, batch.num_model_tokens)
+) -> tuple[dict[str, float], torch.Tensor]:
+    """One optimizer step over a minibatch, accumulating gradients over token-sized micro-batches.
+
+    `old=None` means on-policy: pi_old is this very forward pass, detached (ratio 1), which saves
+    a separate no-grad pass. Returns the metrics and the trainer's logprobs [B, T] (detached).
+    """
     max_tokens = algo.max_tokens or int(batch.loss_mask.sum(dim=1).max())
-    sums: dict[str, float] = {}
+    denominator = loss_denominator(batch, algo, max_tokens)
+    seen = torch.full(batch.input_ids.shape, float("nan"))  # [B, T]
+    parts: list[tuple[float, dict[str, float]]] = []
     lengths = batch.attention_mask.sum(dim=1).tolist()
     for rows in micro_batches_by_tokens(lengths, algo.micro_batch_tokens):
         part = batch.select(rows)
         width = part.input_ids.shape[1]
-        logprobs = token_logprobs(
-            policy, part.input_ids, part.attention_mask, temperature=temperature
-        )  # [b, t]
+        logprobs = token_logprobs(policy, part.input_ids, part.attention_mask,
+                                  temperature=temperature)  # [b, t]
+        seen[rows, :width] = logprobs.detach()
+        part_old = logprobs.detach() if old is None else old[rows, :width]  # [b, t]
+        is_weights = None if algo.tis_cap is None else truncated_is_weights(
+            part_old, part.sampler_logprobs, part.loss_mask, algo.tis_cap)  # [b, t]
         loss, metrics = policy_loss(
-            logprobs,
-            old[rows, :width],
-            part.advantages,
-            part.loss_mask,
+            logprobs, part_old, part.advantages, part.loss_mask,
             ref_logprobs=None if ref is None else ref[rows, :width],
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
-            beta=algo.beta,
-            kl=algo.kl,
-            aggregation=algo.aggregation,
-            max_tokens=max_tokens,
-            is_weights=None if is_weights is None else is_weights[rows, :width],
-            denominator=tokens_total if algo.aggregation == "token-mean" else None,
+            clip_low=algo.clip_low, clip_high=algo.clip_high, beta=algo.beta, kl=algo.kl,
+            aggregation=algo.aggregation, max_tokens=max_tokens, is_weights=is_weights,
+            denominator=denominator,
         )
-        if algo.aggregation != "token-mean":  # per-sequence means: weight by this share of rows
-            loss = loss * (len(rows) / rows_total)
         loss.backward()
-        share = part.num_model_tokens / tokens_total
-        for key, value in {"loss": float(loss), **metrics.as_dict()}.items():
-            sums[key] = sums.get(key, 0.0) + (value if key == "loss" else value * share)
-    sums["grad_norm"] = float(
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), algo.max_grad_norm)
-    )
+        parts.append((float(part.num_model_tokens),
+                      {"loss": float(loss.detach()), **metrics.as_dict()}))
+    merged = merge_metrics(parts)
+    merged["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.parameters(),
+                                                               algo.max_grad_norm))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return sums
+    return merged, seen
 
 
 def grpo_update(
     policy: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: PackedBatch,
-    old: torch.Tensor,
+    old: torch.Tensor | None,
     ref: torch.Tensor | None,
-    is_weights: torch.Tensor | None,
     algo: AlgoConfig,
     temperature: float,
     seed: int,
-) -> dict[str, float]:
-    """`epochs` passes of `minibatches` optimizer steps over the step's batch."""
+) -> tuple[dict[str, float], torch.Tensor]:
+    """`epochs` passes of `minibatches` optimizer steps over the step's batch.
+
+    Returns the mean metrics and the logprobs of the first pass (= pi_old when on-policy).
+    """
     policy.train()
     generator = torch.Generator().manual_seed(seed)
     rows = batch.input_ids.shape[0]
+    first_pass = torch.full(batch.input_ids.shape, float("nan"))  # [B, T]
     history: list[dict[str, float]] = []
-    for _ in range(algo.epochs):
+    for epoch in range(algo.epochs):
         order = torch.randperm(rows, generator=generator)
         for chunk in order.chunk(algo.minibatches):
             index = chunk.tolist()
             part = batch.select(index)
             width = part.input_ids.shape[1]
-            history.append(
-                minibatch_update(
-                    policy,
-                    optimizer,
-                    part,
-                    old[index, :width],
-                    None if ref is None else ref[index, :width],
-                    None if is_weights is None else is_weights[index, :width],
-                    algo,
-                    temperature,
-                )
+            metrics, seen = minibatch_update(
+                policy, optimizer, part, None if old is None else old[index, :width],
+                None if ref is None else ref[index, :width], algo, temperature,
             )
+            history.append(metrics)
+            if epoch == 0:
+                first_pass[index, :width] = seen
     policy.eval()
-    return {key: sum(h[key] for h in history) / len(history) for key in history[0]}
+    return {key: sum(h[key] for h in history) / len(history) for key in history[0]}, first_pass
 
 
 def train_step(
@@ -261,34 +280,21 @@ def train_step(
     if algo.drop_dead_groups:
         dead = torch.tensor(dead_group_mask(records))  # [B]
         batch.loss_mask &= ~dead[:, None]
-    # 4. pi_old and pi_ref on the sampled tokens
+    # 4. pi_old and pi_ref on the sampled tokens. With one pass over the batch the update is
+    #    on-policy and pi_old is the loss's own forward pass (detached), so no extra pass is needed.
     temperature = records[0].sampling_temperature
-    trainer_old = batch_logprobs(policy, batch, temperature, algo.micro_batch_tokens)  # [B, T]
-    old = trainer_old if algo.old_logprobs == "trainer" else batch.sampler_logprobs
-    ref = (
-        None
-        if reference is None
-        else batch_logprobs(reference, batch, temperature, algo.micro_batch_tokens)
-    )  # [B, T]
-    is_weights = (
-        None
-        if algo.tis_cap is None
-        else truncated_is_weights(
-            trainer_old, batch.sampler_logprobs, batch.loss_mask, algo.tis_cap
-        )
-    )  # [B, T]
+    on_policy = algo.epochs == 1 and algo.minibatches == 1
+    old: torch.Tensor | None = None
+    if algo.old_logprobs == "sampler":
+        old = batch.sampler_logprobs
+    elif not on_policy:
+        old = batch_logprobs(policy, batch, temperature, algo.micro_batch_tokens)  # [B, T]
+    ref = None if reference is None else batch_logprobs(
+        reference, batch, temperature, algo.micro_batch_tokens)  # [B, T]
     # 5. loss and optimizer steps, then the engine gets the new weights
-    update = grpo_update(
-        policy,
-        optimizer,
-        batch,
-        old,
-        ref,
-        is_weights,
-        algo,
-        temperature,
-        seed=config.seed * 100_003 + step,
-    )
+    update, first_pass = grpo_update(policy, optimizer, batch, old, ref, algo, temperature,
+                                     seed=config.seed * 100_003 + step)
+    trainer_old = first_pass if old is None or algo.old_logprobs == "sampler" else old
     backend.update_weights(policy)
     _annotate(records, trainer_old, ref, batch)
     metrics = {

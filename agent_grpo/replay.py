@@ -1,0 +1,432 @@
+"""Replay stored trajectories in the terminal: turns, tool calls, rewards, and every token.
+
+The token view colours each token by provenance and shows, for model tokens, the sampler, old
+(trainer) and reference logprobs. Its `ratio` is `exp(old - sampler)`: the trainer's probability
+of the sampled token over the engine's. It is 1 when engine and trainer agree, so it measures
+engine/trainer mismatch, not the PPO ratio of one update (that is always 1 at the first
+minibatch). A token is flagged `clipped` when `|ratio - 1| > clip_eps`: engine and trainer disagree
+on it by more than the whole PPO clip range, so any importance weight or clipping computed against
+the sampler's logprobs is dominated by the mismatch, not by the policy update.
+
+`--verify` replays the environment from the record's seed with the recorded assistant texts and
+checks that it reproduces every observation and the reward; `--recompute-logprobs` scores the
+record's tokens with a checkpoint and reports how far those logprobs drift from the recorded ones
+(both implemented in `agent_grpo.inspect_run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from agent_grpo.inspect_run import (
+    add_inspect_parser,
+    drift_table,
+    logprob_drift,
+    recompute_logprobs,
+    verify_record,
+)
+from agent_grpo.store import RecordFilter, RunDir
+from agent_grpo.trajectory import Provenance, TrajectoryRecord
+
+__all__ = [
+    "PROVENANCE_STYLES",
+    "TokenRow",
+    "add_inspect_parser",
+    "add_replay_parser",
+    "cmd_replay",
+    "load_run_tokenizer",
+    "render_group",
+    "render_trajectory",
+    "token_rows",
+    "top_disagreements",
+]
+
+PROVENANCE_STYLES = {
+    Provenance.PROMPT: "grey62",
+    Provenance.MODEL: "green",
+    Provenance.TEMPLATE: "magenta",
+    Provenance.OBSERVATION: "cyan",
+    Provenance.PADDING: "grey30",
+}
+"""Colour of each provenance in the token view (the HTML view uses the same names)."""
+
+CLIPPED_STYLE = "bold white on red"
+DEFAULT_CLIP_EPS = 0.2
+
+
+@dataclass(frozen=True)
+class TokenRow:
+    """One token of a record with the values the token view shows."""
+
+    index: int
+    """Position in `token_ids`."""
+    token_id: int
+    """The token id."""
+    text: str
+    """The token decoded on its own (a split multi-byte character shows as U+FFFD)."""
+    provenance: Provenance
+    """Where the token came from."""
+    sampler: float | None
+    """Sampler (engine) logprob; None off model tokens."""
+    old: float | None
+    """Trainer logprob under the sampling policy; None when not recorded."""
+    ref: float | None
+    """Reference-model logprob; None when not recorded."""
+    ratio: float | None
+    """exp(old - sampler); None unless both exist."""
+    advantage: float | None
+    """The record's advantage on model tokens, None elsewhere."""
+    clipped: bool
+    """|ratio - 1| > clip_eps."""
+
+
+def _at(values: Sequence[float | None] | None, i: int) -> float | None:
+    return None if values is None else values[i]
+
+
+def token_rows(
+    record: TrajectoryRecord, tokenizer: Any, clip_eps: float = DEFAULT_CLIP_EPS
+) -> list[TokenRow]:
+    """Every token of `record` with its text, logprobs, ratio, advantage and clip flag."""
+    texts = tokenizer.batch_decode([[t] for t in record.token_ids])
+    rows = []
+    for i, (tid, prov) in enumerate(zip(record.token_ids, record.provenance, strict=True)):
+        sampler, old = record.sampler_logprobs[i], _at(record.old_logprobs, i)
+        ratio = math.exp(old - sampler) if old is not None and sampler is not None else None
+        model = prov is Provenance.MODEL
+        rows.append(
+            TokenRow(
+                index=i,
+                token_id=tid,
+                text=texts[i],
+                provenance=prov,
+                sampler=sampler,
+                old=old,
+                ref=_at(record.ref_logprobs, i),
+                ratio=ratio,
+                advantage=record.advantage if model else None,
+                clipped=ratio is not None and abs(ratio - 1.0) > clip_eps,
+            )
+        )
+    return rows
+
+
+def top_disagreements(rows: Sequence[TokenRow], k: int) -> list[TokenRow]:
+    """The k tokens where sampler and trainer logprobs differ most (and at all), largest first."""
+    scored = [r for r in rows if r.ratio is not None and _gap(r) != 0.0]
+    return sorted(scored, key=lambda r: -abs(_gap(r)))[:k]
+
+
+def _gap(row: TokenRow) -> float:
+    assert row.old is not None and row.sampler is not None
+    return row.old - row.sampler
+
+
+def _num(value: float | None, fmt: str = ".4f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+# Terminal rendering
+
+
+def _header(record: TrajectoryRecord) -> Table:
+    table = Table.grid(padding=(0, 2))
+    table.add_row("uid", record.uid, "step", str(record.step), "task", record.task_id)
+    table.add_row(
+        "reward",
+        _num(record.reward),
+        "advantage",
+        _num(record.advantage, "+.4f"),
+        "success",
+        str(record.success),
+    )
+    term = record.termination
+    table.add_row(
+        "termination",
+        f"{term.kind} ({term.reason})",
+        "env",
+        record.env_id,
+        "seed",
+        str(record.seed),
+    )
+    return table
+
+
+def _tool_calls_table(record: TrajectoryRecord, turn_index: int) -> Table | None:
+    turns = [t for t in record.turns if t.index == turn_index]
+    calls = turns[0].tool_calls if turns else []
+    if not calls:
+        return None
+    table = Table("tool", "arguments", "result / error", show_lines=True, expand=True)
+    for call in calls:
+        args = call.raw if call.arguments is None else json.dumps(call.arguments)
+        outcome = (
+            Text(call.result or "")
+            if call.error is None
+            else Text(f"[{call.error_kind}] {call.error}", style="red")
+        )
+        table.add_row(call.name, args, outcome)
+    return table
+
+
+def _conversation(record: TrajectoryRecord) -> list[RenderableType]:
+    parts: list[RenderableType] = []
+    turn = 0
+    for i, message in enumerate(record.messages):
+        if i < record.prompt_messages_count:
+            parts.append(
+                Panel(Text(message.content), title=f"prompt: {message.role}", style="grey62")
+            )
+        elif message.role == "assistant":
+            detail = [t for t in record.turns if t.index == turn]
+            finish = f", finish={detail[0].finish_reason}" if detail else ""
+            body: list[RenderableType] = [Text(message.content, style="green")]
+            calls = _tool_calls_table(record, turn)
+            body += [calls] if calls is not None else []
+            parts.append(Panel(Group(*body), title=f"turn {turn}: assistant{finish}"))
+            turn += 1
+        else:
+            name = f" ({message.name})" if message.name else ""
+            parts.append(Panel(Text(message.content, style="cyan"), title=f"{message.role}{name}"))
+    return parts
+
+
+def _outcome(record: TrajectoryRecord) -> Panel:
+    lines = [
+        f"reward {record.reward:.4f}  components {json.dumps(record.reward_components)}",
+        f"verifier {json.dumps(record.verifier)}",
+        f"termination {record.termination.kind}: {record.termination.reason}",
+        f"lengths {record.lengths.model_dump_json()}",
+        f"malformed tool calls {record.malformed_tool_calls}",
+    ]
+    return Panel(Text("\n".join(lines)), title="outcome")
+
+
+def _legend() -> Text:
+    legend = Text("tokens: ")
+    for prov, style in PROVENANCE_STYLES.items():
+        legend.append(f" {prov.value} ", style=style)
+    return legend.append(" clipped ", style=CLIPPED_STYLE)
+
+
+def _inline_tokens(rows: Sequence[TokenRow]) -> Text:
+    text = Text()
+    for row in rows:
+        text.append(
+            row.text, style=CLIPPED_STYLE if row.clipped else PROVENANCE_STYLES[row.provenance]
+        )
+    return text
+
+
+def _token_table(rows: Sequence[TokenRow], title: str) -> Table:
+    table = Table("#", "id", "token", "sampler", "old", "ref", "ratio", "adv", "clip", title=title)
+    for r in rows:
+        table.add_row(
+            str(r.index),
+            str(r.token_id),
+            Text(repr(r.text)[1:-1], style=PROVENANCE_STYLES[r.provenance]),
+            _num(r.sampler),
+            _num(r.old),
+            _num(r.ref),
+            _num(r.ratio),
+            _num(r.advantage, "+.3f"),
+            Text("CLIP", style=CLIPPED_STYLE) if r.clipped else "",
+        )
+    return table
+
+
+def _mismatch_summary(rows: Sequence[TokenRow], clip_eps: float) -> Text:
+    gaps = [abs(_gap(r)) for r in rows if r.ratio is not None]
+    if not gaps:
+        return Text("no trainer logprobs recorded: ratio and clipping unavailable")
+    clipped = sum(r.clipped for r in rows)
+    return Text(
+        f"|old - sampler|: mean {statistics.fmean(gaps):.4f} max {max(gaps):.4f}; "
+        f"clipped (|ratio-1| > {clip_eps}) {clipped}/{len(gaps)}"
+    )
+
+
+def render_trajectory(
+    record: TrajectoryRecord,
+    tokenizer: Any = None,
+    *,
+    tokens: bool = False,
+    clip_eps: float = DEFAULT_CLIP_EPS,
+    top_k: int = 10,
+) -> RenderableType:
+    """One record: header, each turn with its tool calls, the outcome, and optionally tokens."""
+    parts: list[RenderableType] = [_header(record), *_conversation(record), _outcome(record)]
+    if tokens:
+        rows = token_rows(record, tokenizer, clip_eps)
+        model_rows = [r for r in rows if r.provenance is Provenance.MODEL]
+        parts += [_legend(), Panel(_inline_tokens(rows), title="tokens")]
+        parts += [_token_table(model_rows, "model tokens"), _mismatch_summary(rows, clip_eps)]
+        top = top_disagreements(rows, top_k)
+        if top:
+            parts.append(_token_table(top, f"top {len(top)} sampler/trainer disagreements"))
+    return Panel(Group(*parts), title=f"trajectory {record.uid} (step {record.step})")
+
+
+def render_group(records: Sequence[TrajectoryRecord]) -> Table:
+    """A group's samples side by side: reward, advantage, success, termination, lengths."""
+    rewards = [r.reward for r in records]
+    spread = statistics.pstdev(rewards) if rewards else 0.0
+    caption = f"reward mean {statistics.fmean(rewards) if rewards else 0.0:.4f} std {spread:.4f}"
+    title = f"group {records[0].group_id} (step {records[0].step})" if records else "group"
+    table = Table(
+        "sample", "reward", "advantage", "success", "termination", "turns", "model tok",
+        "tool calls", "tool errors", title=title, caption=caption,
+    )  # fmt: skip
+    for r in sorted(records, key=lambda r: r.index_in_group):
+        calls = [c for t in r.turns for c in t.tool_calls]
+        table.add_row(
+            str(r.index_in_group), _num(r.reward), _num(r.advantage, "+.4f"), str(r.success),
+            r.termination.kind, str(len(r.turns)), str(sum(r.loss_mask)), str(len(calls)),
+            str(sum(c.error is not None for c in calls)),
+        )  # fmt: skip
+    return table
+
+
+# The `replay` subcommand
+
+
+def _run_config(run: RunDir) -> dict[str, Any]:
+    import yaml
+
+    config = yaml.safe_load(run.config_text)
+    return config if isinstance(config, dict) else {}
+
+
+def load_run_tokenizer(run: RunDir) -> Any:
+    """The tokenizer named by the run's `config.yaml` (`model: {name_or_path: ...}`)."""
+    from agent_grpo.models import load_tokenizer
+
+    name = (_run_config(run).get("model") or {}).get("name_or_path")
+    if not name:
+        raise SystemExit(f"{run.path}/config.yaml has no model.name_or_path: no tokenizer")
+    return load_tokenizer(name)
+
+
+def run_env_factory(run: RunDir) -> Callable[[str], Any]:
+    """`make_env` with the run's `env.kwargs` (records keep the env id, not its kwargs)."""
+    from agent_grpo.registry import make_env
+
+    env = _run_config(run).get("env") or {}
+    kwargs = env.get("kwargs") or {}
+    return lambda env_id: make_env(env_id, **(kwargs if env_id == env.get("id") else {}))
+
+
+def _group_arg(text: str) -> str | int:
+    return int(text) if text.isdigit() else text
+
+
+def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `replay RUN ...` on an argparse subparsers object."""
+    p = subparsers.add_parser("replay", help="show stored trajectories, token by token")
+    p.add_argument("run", type=Path, help="run directory")
+    p.add_argument("--step", type=int, help="step to show (default: the latest; --html: all)")
+    p.add_argument("--group", type=_group_arg, help="group id, or g: the g-th group of the step")
+    p.add_argument("--sample", type=int, help="index of the sample within its group")
+    p.add_argument("--tokens", action="store_true", help="show every token with its logprobs")
+    p.add_argument("--failed", action="store_true", help="only records not judged solved")
+    p.add_argument("--truncated", action="store_true", help="only records ended by a limit")
+    p.add_argument("--errors", action="store_true", help="only records with a failed tool call")
+    p.add_argument("--reward-min", type=float, help="only records with reward >= X")
+    p.add_argument("--reward-max", type=float, help="only records with reward <= X")
+    p.add_argument("--clip-eps", type=float, default=DEFAULT_CLIP_EPS, help="|ratio-1| flagged")
+    p.add_argument("--html", type=Path, help="write a self-contained HTML page here instead")
+    p.add_argument("--verify", action="store_true", help="re-run the env and compare")
+    p.add_argument("--recompute-logprobs", type=Path, metavar="CHECKPOINT",
+                   help="score the tokens with this checkpoint (an HF model dir, or a run's "
+                        "checkpoints/step_N) and report the drift")  # fmt: skip
+    p.set_defaults(func=cmd_replay)
+    return p
+
+
+def _record_filter(args: argparse.Namespace) -> RecordFilter:
+    return RecordFilter(
+        failed=args.failed, truncated=args.truncated, errors=args.errors,
+        reward_min=args.reward_min, reward_max=args.reward_max,
+    )  # fmt: skip
+
+
+def _show(
+    console: Console, records: list[TrajectoryRecord], args: argparse.Namespace, run: RunDir
+) -> None:
+    detailed = args.group is not None or args.sample is not None or args.tokens
+    detailed = detailed or _record_filter(args) != RecordFilter()
+    tokenizer = load_run_tokenizer(run) if args.tokens else None
+    groups: dict[tuple[int, str], list[TrajectoryRecord]] = {}
+    for r in records:
+        groups.setdefault((r.step, r.group_id), []).append(r)
+    for members in groups.values():
+        console.print(render_group(members))
+        for r in members if detailed else []:
+            console.print(
+                render_trajectory(r, tokenizer, tokens=args.tokens, clip_eps=args.clip_eps)
+            )
+
+
+def _verify(console: Console, records: list[TrajectoryRecord], run: RunDir) -> int:
+    make_env = run_env_factory(run)
+    failures = 0
+    for r in records:
+        found = verify_record(r, make_env)
+        failures += found is not None
+        verdict = "ok" if found is None else f"DIVERGES at turn {found.turn} ({found.what})"
+        # No markup: recorded text is full of brackets that rich would read as style tags.
+        console.print(f"verify {r.uid}: {verdict}", markup=False, highlight=False)
+        if found is not None:
+            detail = f"  expected: {found.expected!r}\n  got:      {found.got!r}"
+            console.print(detail, markup=False, highlight=False)
+    return 1 if failures else 0
+
+
+def _recompute(console: Console, records: list[TrajectoryRecord], checkpoint: Path) -> None:
+    from agent_grpo.models import load_model
+
+    # A trainer checkpoint keeps the HF model in `model/` beside its optimizer state.
+    nested = checkpoint / "model"
+    model = load_model(nested if (nested / "config.json").exists() else checkpoint)
+    for r in records:
+        console.print(drift_table(r, logprob_drift(r, recompute_logprobs(model, r))))
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Handler of `replay`: select records, then show, verify, rescore or write HTML."""
+    run = RunDir.open(args.run)
+    console = Console()
+    step = args.step
+    if step is None and args.html is None:
+        steps = run.steps()
+        step = steps[-1] if steps else None
+    records = run.find(step, args.group, args.sample, **_record_filter(args).model_dump())
+    if not records:
+        console.print("no records match")
+        return 1
+    if args.html is not None:
+        from agent_grpo.replay_html import write_html
+
+        write_html(
+            args.html, records, load_run_tokenizer(run), clip_eps=args.clip_eps, title=run.run_id
+        )
+        console.print(f"wrote {args.html}")
+    if args.recompute_logprobs is not None:
+        _recompute(console, records, args.recompute_logprobs)
+    if args.verify:
+        return _verify(console, records, run)
+    if args.html is None and args.recompute_logprobs is None:
+        _show(console, records, args, run)
+    return 0

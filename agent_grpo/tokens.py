@@ -1,0 +1,522 @@
+"""Token provenance: a multi-turn episode as one token sequence, every token tagged with its origin.
+
+Canonical tokenization of a conversation
+----------------------------------------
+The chat template renders a conversation to text. We render it a second time with each message's
+content replaced by a unique slot marker; splitting that text at the markers cuts the rendering
+into segments, in order:
+
+- template segments: the text between two contents (end of turn, role headers, a default system
+  prompt, the generation prompt). Tokenized with special tokens recognized: `<|im_end|>` is one id.
+- content segments of prompt and observation messages: tokenized as plain text
+  (`split_special_tokens=True`), so a tool output containing `<|im_start|>assistant` becomes
+  ordinary text tokens and can never forge a turn.
+- model segments: an assistant turn is never tokenized; its ids are the sampled ids, and its
+  message content (and `TurnRecord.model_text`) is their decode minus a trailing EOS
+  (`tokenizer.eos_token_id`, the only id treated as end of turn). When the sampled ids end with
+  EOS, the template segment after them starts with that same EOS, dropped there, not repeated.
+
+The canonical sequence is the concatenation of every segment tokenized on its own. Where we depart
+from common practice: `apply_chat_template(tokenize=True)` tokenizes the whole rendered text in
+one go, so BPE may merge across a segment boundary (with SmolLM2, `"user\\n"` followed by content
+`"\\n\\nhello"` gives `"\\n\\n" "\\n" "hello"` in one go but `"\\n" | "\\n" "\\n" "hello"` per
+segment). We never merge across a boundary: a segment's tokens never depend on what comes after
+it, which is what keeps the sequence append-only (the context the engine saw at turn k is exactly
+a prefix of the final sequence) and forgery-proof. For ordinary content both agree.
+
+`TokenBuilder` builds the sequence turn by turn; `render_reference` builds it from the finished
+conversation in one go, so "builder == from-scratch rendering" is a checkable property.
+`check_invariants` checks a finished `TrajectoryRecord`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from agent_grpo.trajectory import Lengths, Message, Provenance, TrajectoryRecord
+
+__all__ = [
+    "ChatTemplateError",
+    "Segment",
+    "TemplateNotAppendOnlyError",
+    "TokenBuilder",
+    "TrajectoryInvariantError",
+    "TurnSpan",
+    "check_invariants",
+    "count_lengths",
+    "encode_plain",
+    "encode_template",
+    "render_reference",
+    "segment_conversation",
+    "turn_text",
+]
+
+_SLOT_END = "\ue001"
+_SNIPPET = 30
+
+
+def _snippet(text: str, position: int) -> str:
+    return text[max(0, position - _SNIPPET) : position + _SNIPPET]
+
+
+class ChatTemplateError(ValueError):
+    """The chat template renders content in a way the provenance builder cannot segment."""
+
+
+class TemplateNotAppendOnlyError(ChatTemplateError):
+    """Rendering a longer conversation changed text that earlier turns were conditioned on."""
+
+    def __init__(self, template: str, position: int, before: str, after: str) -> None:
+        self.template = template
+        self.position = position
+        super().__init__(
+            f"chat template {template!r} is not append-only: the rendering after adding messages "
+            f"differs from the one before at character {position}: "
+            f"before {_snippet(before, position)!r}, after {_snippet(after, position)!r}"
+        )
+
+
+class TrajectoryInvariantError(ValueError):
+    """A trajectory record breaks a token-accounting invariant."""
+
+    def __init__(self, uid: str, position: int | None, message: str) -> None:
+        self.uid = uid
+        self.position = position
+        where = "" if position is None else f" at token {position}"
+        super().__init__(f"trajectory {uid}{where}: {message}")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of a rendered conversation: template text, or one message's content."""
+
+    text: str
+    """The rendered text of this piece."""
+    message: int | None
+    """Index of the message whose content this is; None for template text."""
+
+
+@dataclass(frozen=True)
+class TurnSpan:
+    """Where one assistant turn's sampled tokens lie in the sequence."""
+
+    index: int
+    """0-based turn number."""
+    start: int
+    """Index of the turn's first model token."""
+    end: int
+    """Index one past the turn's last model token."""
+    model_text: str
+    """Decode of the sampled ids minus a trailing EOS: the assistant message content, and what
+    `TurnRecord.model_text` must hold."""
+    ended_with_eos: bool
+    """Whether the last sampled id is the EOS token."""
+
+
+def encode_template(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Tokenize chat-template text, special tokens recognized."""
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_plain(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Tokenize content as plain text: special-token text becomes ordinary tokens."""
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], generation_prompt: bool
+) -> str:
+    text = tokenizer.apply_chat_template(
+        [m.to_template() for m in messages],
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
+    )
+    assert isinstance(text, str)
+    return text
+
+
+def _first_difference(a: Sequence[object], b: Sequence[object]) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def _slot_marker(messages: Sequence[Message]) -> str:
+    # Grown until no content contains it, so a marker can only come from our own substitution.
+    marker = "\ue000slot"
+    while any(marker in m.content for m in messages):
+        marker += "\ue000"
+    return marker
+
+
+def segment_conversation(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    *,
+    generation_prompt: bool,
+    template: str = "",
+) -> list[Segment]:
+    """Cut the rendered conversation into template and content segments (see module docstring)."""
+    marker = _slot_marker(messages)
+    slotted = [
+        m.model_copy(update={"content": f"{marker}{i}{_SLOT_END}"}) for i, m in enumerate(messages)
+    ]
+    pieces = re.split(
+        re.escape(marker) + r"(\d+)" + _SLOT_END, _render(tokenizer, slotted, generation_prompt)
+    )
+    if [int(p) for p in pieces[1::2]] != list(range(len(messages))):
+        raise ChatTemplateError(
+            f"chat template {template!r} does not render each message's content exactly once, "
+            f"in order (got message order {pieces[1::2]})"
+        )
+    segments: list[Segment] = []
+    for i, between in enumerate(pieces[0::2]):
+        if between:
+            segments.append(Segment(between, None))
+        if i < len(messages):
+            segments.append(Segment(messages[i].content, i))
+    real = _render(tokenizer, messages, generation_prompt)
+    rebuilt = "".join(s.text for s in segments)
+    if rebuilt != real:
+        pos = _first_difference(rebuilt, real)
+        raise ChatTemplateError(
+            f"chat template {template!r} does not render content verbatim (it depends on or "
+            f"rewrites the content) at character {pos}: {_snippet(real, pos)!r}"
+        )
+    return segments
+
+
+def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    eos = tokenizer.eos_token_id
+    assert isinstance(eos, int), "the tokenizer needs a single EOS id (`eos_token`)"
+    return eos
+
+
+def turn_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
+    """A model turn's text: decode of its sampled ids minus a trailing EOS, specials kept."""
+    ids = list(ids[:-1]) if ids[-1:] == [_eos_id(tokenizer)] else list(ids)
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert isinstance(text, str)
+    return text
+
+
+def _drop_eos(ids: list[int], eos: int, template: str) -> list[int]:
+    if not ids or ids[0] != eos:
+        raise ChatTemplateError(
+            f"the model turn ended with EOS id {eos} but chat template {template!r} closes the "
+            f"assistant turn with ids {ids[:4]}"
+        )
+    return ids[1:]
+
+
+class TokenBuilder:
+    """Append-only token sequence with provenance, built turn by turn by a rollout engine."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_messages: Sequence[Message],
+        *,
+        template_name: str | None = None,
+    ) -> None:
+        if not prompt_messages:
+            raise ValueError("the prompt needs at least one message")
+        self._tok = tokenizer
+        self._template = template_name or str(tokenizer.name_or_path)
+        self._eos = _eos_id(tokenizer)
+        self._ids: list[int] = []
+        self._provenance: list[Provenance] = []
+        self._logprobs: list[float | None] = []
+        self._messages: list[Message] = list(prompt_messages)
+        self._spans: list[TurnSpan] = []
+        self.prompt_messages_count = len(prompt_messages)
+        """How many leading messages are the prompt."""
+        segments = segment_conversation(
+            tokenizer, self._messages, generation_prompt=True, template=self._template
+        )
+        for seg in segments:
+            encode = encode_template if seg.message is None else encode_plain
+            self._append(encode(tokenizer, seg.text), Provenance.PROMPT)
+        # The rendered text the tokens stand for; a sampled EOS is left out until its template.
+        self._text = "".join(s.text for s in segments)
+
+    def _append(
+        self, ids: list[int], provenance: Provenance, logprobs: Sequence[float | None] | None = None
+    ) -> None:
+        self._ids.extend(ids)
+        self._provenance.extend([provenance] * len(ids))
+        self._logprobs.extend([None] * len(ids) if logprobs is None else logprobs)
+
+    @property
+    def _awaiting_model(self) -> bool:
+        return (
+            self._messages[-1].role != "assistant"
+            or len(self._messages) == self.prompt_messages_count
+        )
+
+    def add_model_turn(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> TurnSpan:
+        """Append one turn's exact sampled ids (EOS or not) and their sampler logprobs."""
+        if not self._awaiting_model:
+            raise ValueError("two model turns in a row: add the observations in between first")
+        if len(token_ids) != len(logprobs):
+            raise ValueError(f"{len(token_ids)} sampled ids but {len(logprobs)} logprobs")
+        for i, lp in enumerate(logprobs):
+            if not math.isfinite(lp):
+                raise ValueError(f"sampled token {i} of turn {len(self._spans)} has logprob {lp}")
+        ids = list(token_ids)
+        ended = bool(ids) and ids[-1] == self._eos
+        content = turn_text(self._tok, ids)
+        span = TurnSpan(len(self._spans), len(self._ids), len(self._ids) + len(ids), content, ended)
+        self._append(ids, Provenance.MODEL, [float(lp) for lp in logprobs])
+        self._spans.append(span)
+        self._messages.append(Message(role="assistant", content=content))
+        self._text += content
+        return span
+
+    def add_observations(self, messages: Sequence[Message]) -> None:
+        """Append the template and observation tokens of the messages after a model turn."""
+        if self._awaiting_model:
+            raise ValueError("observations must follow a model turn")
+        if not messages or any(m.role == "assistant" for m in messages):
+            raise ValueError("observations are one or more non-assistant messages")
+        after = [*self._messages, *messages]
+        before_text = _render(self._tok, self._messages, generation_prompt=False)
+        after_text = _render(self._tok, after, generation_prompt=True)
+        self._require_prefix(self._text, before_text)
+        self._require_prefix(before_text, after_text)
+        segments = segment_conversation(
+            self._tok, after, generation_prompt=True, template=self._template
+        )
+        last_model = next(i for i, s in enumerate(segments) if s.message == len(self._messages) - 1)
+        # Text prefixes can agree while slots do not, e.g. when the generation prompt holds text
+        # that the template otherwise renders as the start of the assistant content.
+        if sum(len(s.text) for s in segments[: last_model + 1]) != len(self._text):
+            raise ChatTemplateError(
+                f"chat template {self._template!r} renders the last assistant content elsewhere "
+                "than after the generation prompt"
+            )
+        drop_eos = self._spans[-1].ended_with_eos
+        for seg in segments[last_model + 1 :]:
+            if seg.message is None:
+                ids = encode_template(self._tok, seg.text)
+                self._append(
+                    _drop_eos(ids, self._eos, self._template) if drop_eos else ids,
+                    Provenance.TEMPLATE,
+                )
+            else:
+                if drop_eos:
+                    raise ChatTemplateError(f"chat template {self._template!r} has no end of turn")
+                self._append(encode_plain(self._tok, seg.text), Provenance.OBSERVATION)
+            drop_eos = False
+        self._messages = after
+        self._text = after_text
+
+    def _require_prefix(self, before: str, after: str) -> None:
+        if not after.startswith(before):
+            raise TemplateNotAppendOnlyError(
+                self._template, _first_difference(before, after), before, after
+            )
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token so far: the exact context the engine must be conditioned on next."""
+        return list(self._ids)
+
+    @property
+    def provenance(self) -> list[Provenance]:
+        """Origin of each token."""
+        return list(self._provenance)
+
+    @property
+    def sampler_logprobs(self) -> list[float | None]:
+        """Sampler logprob of each model token; None for every other token."""
+        return list(self._logprobs)
+
+    @property
+    def messages(self) -> list[Message]:
+        """The conversation so far (assistant content is the decode of the sampled ids)."""
+        return list(self._messages)
+
+    @property
+    def turn_spans(self) -> list[TurnSpan]:
+        """Per-turn model spans, in order."""
+        return list(self._spans)
+
+    @property
+    def context_length(self) -> int:
+        """Length of the context the engine is conditioned on next (all of `token_ids`)."""
+        return len(self._ids)
+
+    def lengths(self) -> Lengths:
+        """Token counts by provenance, and turns taken."""
+        return count_lengths(self._provenance, len(self._spans))
+
+
+def count_lengths(provenance: Sequence[Provenance], turns: int) -> Lengths:
+    """Token counts by provenance, and the number of turns."""
+    return Lengths(
+        prompt=provenance.count(Provenance.PROMPT),
+        model=provenance.count(Provenance.MODEL),
+        template=provenance.count(Provenance.TEMPLATE),
+        observation=provenance.count(Provenance.OBSERVATION),
+        total=len(provenance),
+        turns=turns,
+    )
+
+
+def render_reference(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    model_token_ids_per_turn: Sequence[Sequence[int]],
+    *,
+    prompt_messages_count: int,
+) -> tuple[list[int], list[Provenance]]:
+    """Canonical ids and provenance of a finished conversation, rendered from scratch in one go."""
+    eos = _eos_id(tokenizer)
+    ends_on_model = len(messages) > prompt_messages_count and messages[-1].role == "assistant"
+    segments = segment_conversation(tokenizer, messages, generation_prompt=not ends_on_model)
+    if ends_on_model:  # the closing of the last turn has not been appended yet
+        segments = segments[
+            : next(i for i, s in enumerate(segments) if s.message == len(messages) - 1) + 1
+        ]
+    turns = iter(model_token_ids_per_turn)
+    ids: list[int] = []
+    provenance: list[Provenance] = []
+    seen_model, drop_eos = False, False
+    for seg in segments:
+        if seg.message is None:
+            piece = encode_template(tokenizer, seg.text)
+            piece = _drop_eos(piece, eos, "") if drop_eos else piece
+            kind = Provenance.TEMPLATE if seen_model else Provenance.PROMPT
+        elif seg.message < prompt_messages_count:
+            piece, kind = encode_plain(tokenizer, seg.text), Provenance.PROMPT
+        elif messages[seg.message].role == "assistant":
+            piece, kind = list(next(turns)), Provenance.MODEL
+            seen_model = True
+        else:
+            piece, kind = encode_plain(tokenizer, seg.text), Provenance.OBSERVATION
+        drop_eos = kind is Provenance.MODEL and piece[-1:] == [eos]
+        ids.extend(piece)
+        provenance.extend([kind] * len(piece))
+    if next(turns, None) is not None:
+        raise ValueError("more model turns than assistant messages after the prompt")
+    return ids, provenance
+
+
+def check_invariants(
+    record: TrajectoryRecord,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    contexts: Sequence[Sequence[int]] | None = None,
+) -> None:
+    """Raise TrajectoryInvariantError (uid, position) if the record's token accounting is off."""
+    _check_array_lengths(record)
+    _check_provenance(record, len(tokenizer))
+    _check_logprobs(record)
+    _check_turns(record, tokenizer)
+    if contexts is not None:
+        _check_contexts(record, contexts)
+    _check_lengths(record)
+
+
+def _check_array_lengths(record: TrajectoryRecord) -> None:
+    n = len(record.token_ids)
+    arrays: dict[str, Sequence[object] | None] = {
+        "provenance": record.provenance,
+        "sampler_logprobs": record.sampler_logprobs,
+        "old_logprobs": record.old_logprobs,
+        "ref_logprobs": record.ref_logprobs,
+    }
+    for name, values in arrays.items():
+        if values is not None and len(values) != n:
+            raise TrajectoryInvariantError(
+                record.uid, min(n, len(values)), f"{name} has {len(values)} entries, token_ids {n}"
+            )
+
+
+def _check_provenance(record: TrajectoryRecord, vocab_size: int) -> None:
+    uid, prompt_over = record.uid, False
+    for i, (tid, prov, mask) in enumerate(
+        zip(record.token_ids, record.provenance, record.loss_mask, strict=True)
+    ):
+        if not 0 <= tid < vocab_size:
+            raise TrajectoryInvariantError(
+                uid, i, f"token id {tid} outside the vocabulary ({vocab_size})"
+            )
+        if prov is Provenance.PADDING:
+            raise TrajectoryInvariantError(uid, i, "padding inside a stored trajectory")
+        if prov is Provenance.PROMPT and prompt_over:
+            raise TrajectoryInvariantError(uid, i, "prompt token after the first non-prompt token")
+        prompt_over = prompt_over or prov is not Provenance.PROMPT
+        if mask != (prov is Provenance.MODEL):
+            raise TrajectoryInvariantError(uid, i, f"loss mask {mask} on a {prov.value} token")
+
+
+def _check_logprobs(record: TrajectoryRecord) -> None:
+    uid = record.uid
+    for i, (prov, lp) in enumerate(zip(record.provenance, record.sampler_logprobs, strict=True)):
+        if prov is Provenance.MODEL and (lp is None or not math.isfinite(lp)):
+            raise TrajectoryInvariantError(uid, i, f"model token has sampler logprob {lp}")
+        if prov is not Provenance.MODEL and lp is not None:
+            raise TrajectoryInvariantError(uid, i, f"{prov.value} token has sampler logprob {lp}")
+    for name in ("old_logprobs", "ref_logprobs"):
+        for i, value in enumerate(getattr(record, name) or []):
+            if value is not None and not math.isfinite(value):
+                raise TrajectoryInvariantError(uid, i, f"{name} holds {value}")
+
+
+def _check_turns(record: TrajectoryRecord, tokenizer: PreTrainedTokenizerBase) -> None:
+    uid, covered = record.uid, 0
+    for k, turn in enumerate(record.turns):
+        start, end = turn.token_start, turn.token_end
+        if turn.index != k or not covered <= start <= end <= len(record.token_ids):
+            raise TrajectoryInvariantError(
+                uid, start, f"turn {k} span [{start}, {end}) out of order"
+            )
+        bad = next(
+            (i for i in range(start, end) if record.provenance[i] is not Provenance.MODEL), None
+        )
+        if bad is not None:
+            raise TrajectoryInvariantError(uid, bad, f"turn {k} span holds a non-model token")
+        if turn_text(tokenizer, record.token_ids[start:end]) != turn.model_text:
+            raise TrajectoryInvariantError(
+                uid, start, f"turn {k} model_text is not the decode of its span (minus EOS)"
+            )
+        covered = end
+    in_span = {i for t in record.turns for i in range(t.token_start, t.token_end)}
+    stray = next(
+        (i for i, p in enumerate(record.provenance) if p is Provenance.MODEL and i not in in_span),
+        None,
+    )
+    if stray is not None:
+        raise TrajectoryInvariantError(uid, stray, "model token outside every turn span")
+
+
+def _check_contexts(record: TrajectoryRecord, contexts: Sequence[Sequence[int]]) -> None:
+    if len(contexts) != len(record.turns):
+        raise TrajectoryInvariantError(
+            record.uid, None, f"{len(contexts)} contexts for {len(record.turns)} turns"
+        )
+    for k, (context, turn) in enumerate(zip(contexts, record.turns, strict=True)):
+        expected = record.token_ids[: turn.token_start]
+        if list(context) != expected:
+            raise TrajectoryInvariantError(
+                record.uid,
+                _first_difference(context, expected),
+                f"turn {k} context ({len(context)} ids) is not token_ids[:{turn.token_start}]",
+            )
+
+
+def _check_lengths(record: TrajectoryRecord) -> None:
+    for name, value in count_lengths(record.provenance, len(record.turns)):
+        if getattr(record.lengths, name) != value:
+            raise TrajectoryInvariantError(
+                record.uid,
+                None,
+                f"lengths.{name} is {getattr(record.lengths, name)}, tokens say {value}",
+            )

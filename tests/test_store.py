@@ -1,0 +1,343 @@
+"""RunDir: append-only writes, torn-line recovery after kill -9, index seeks, export."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from agent_grpo.store import RunDir
+from agent_grpo.trajectory import (
+    Lengths,
+    Message,
+    Provenance,
+    Termination,
+    ToolCallRecord,
+    TrajectoryRecord,
+    TurnRecord,
+)
+
+
+def make_record(
+    tokenizer=None,
+    *,
+    step: int = 0,
+    group_id: str = "g0",
+    index: int = 0,
+    reward: float = 1.0,
+    success: bool = True,
+    termination: str = "terminated",
+    tool_error: bool = False,
+    observation: str = "4",
+    old_shift: dict[int, float] | None = None,
+    advantage: float | None = 0.5,
+) -> TrajectoryRecord:
+    """A two-turn calculator episode; real token ids when a tokenizer is given.
+
+    Model token j (counting model tokens only, from 0) has sampler logprob -0.1*(j+1), old
+    logprob sampler + old_shift.get(j, 0) and ref logprob sampler - 0.01.
+    """
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 2}}</tool_call>'
+    segments = [
+        (Provenance.PROMPT, "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"),
+        (Provenance.MODEL, call + "<|im_end|>"),
+        (Provenance.TEMPLATE, "\n<|im_start|>tool\n"),
+        (Provenance.OBSERVATION, observation),
+        (Provenance.TEMPLATE, "<|im_end|>\n<|im_start|>assistant\n"),
+        (Provenance.MODEL, "The answer is 4.<|im_end|>"),
+    ]
+    ids: list[int] = []
+    prov: list[Provenance] = []
+    spans = []
+    for kind, text in segments:
+        piece = tokenizer.encode(text, add_special_tokens=False) if tokenizer else [7] * len(text)
+        if kind is Provenance.MODEL:
+            spans.append((len(ids), len(ids) + len(piece)))
+        ids += piece
+        prov += [kind] * len(piece)
+    sampler: list[float | None] = [None] * len(ids)
+    j = 0
+    for i, p in enumerate(prov):
+        if p is Provenance.MODEL:
+            sampler[i] = -0.1 * (j + 1)
+            j += 1
+    shift = old_shift or {}
+    model_pos = [i for i, p in enumerate(prov) if p is Provenance.MODEL]
+    old = [
+        None if s is None else s + shift.get(model_pos.index(i), 0.0) for i, s in enumerate(sampler)
+    ]
+    ref = [None if s is None else s - 0.01 for s in sampler]
+    tool_call = ToolCallRecord(
+        name="add",
+        arguments={"a": 2, "b": 2},
+        raw=call,
+        result=None if tool_error else observation,
+        error="division by zero" if tool_error else None,
+        error_kind="raised" if tool_error else None,
+    )
+    return TrajectoryRecord(
+        run_id="run",
+        step=step,
+        group_id=group_id,
+        task_id="agent_grpo/Calculator-v0:3",
+        index_in_group=index,
+        group_size=4,
+        env_id="agent_grpo/Calculator-v0",
+        seed=3,
+        messages=[
+            Message(role="user", content="What is 2+2?"),
+            Message(role="assistant", content=call),
+            Message(role="tool", content=observation, name="add"),
+            Message(role="assistant", content="The answer is 4."),
+        ],
+        prompt_messages_count=1,
+        token_ids=ids,
+        provenance=prov,
+        sampler_logprobs=sampler,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        reward=reward,
+        reward_components={"verifier": reward},
+        verifier={"expected": "4", "given": "4", "success": success},
+        success=success,
+        advantage=advantage,
+        turns=[
+            TurnRecord(
+                index=0,
+                model_text=call,
+                token_start=spans[0][0],
+                token_end=spans[0][1],
+                finish_reason="stop",
+                tool_calls=[tool_call],
+            ),
+            TurnRecord(
+                index=1,
+                model_text="The answer is 4.",
+                token_start=spans[1][0],
+                token_end=spans[1][1],
+                finish_reason="stop",
+            ),
+        ],
+        termination=Termination(kind=termination, reason="final_answer"),  # type: ignore[arg-type]
+        lengths=Lengths(model=len(model_pos), total=len(ids), turns=2),
+    )
+
+
+@pytest.fixture
+def warnings_log(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> pytest.LogCaptureFixture:
+    """Capture agent_grpo warnings even when setup_logging() turned propagation off."""
+    monkeypatch.setattr(logging.getLogger("agent_grpo"), "propagate", True)
+    caplog.set_level(logging.WARNING)
+    return caplog
+
+
+def _group(step: int, group_id: str, rewards: list[float]) -> list[TrajectoryRecord]:
+    return [
+        make_record(step=step, group_id=group_id, index=i, reward=r, success=r > 0.5)
+        for i, r in enumerate(rewards)
+    ]
+
+
+def test_create_write_read_roundtrip(tmp_path: Path) -> None:
+    run = RunDir.create(tmp_path, run_id="r1", config_text="model: {name_or_path: x}\n", fsync=True)
+    records = _group(1, "a", [1.0, 0.0])
+    run.write_trajectories(1, records)
+    run.write_trajectories(3, _group(3, "b", [0.0]))
+    run.write_metrics(1, {"step": 1.0, "reward/mean": 0.5, "loss": float("nan"), "kl": None})
+    reopened = RunDir.open(tmp_path / "r1")
+    assert reopened.config_text == "model: {name_or_path: x}\n"
+    assert reopened.steps() == [1, 3]
+    assert reopened.read_trajectories(1) == records
+    # The step argument wins over a float "step" metric; NaN and None become JSON null.
+    assert reopened.read_metrics() == [{"step": 1, "reward/mean": 0.5, "loss": None, "kl": None}]
+    assert isinstance(reopened.read_metrics()[0]["step"], int)
+    assert (tmp_path / "r1/trajectories/step_000001.jsonl").exists()
+    with pytest.raises(FileExistsError):
+        RunDir.create(tmp_path, run_id="r1")
+
+
+def test_open_rejects_non_run(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        RunDir.open(tmp_path)
+
+
+def test_index_offsets_point_at_lines_and_find_filters(tmp_path: Path) -> None:
+    run = RunDir.create(tmp_path, run_id="r")
+    run.write_trajectories(0, _group(0, "a", [1.0, 0.0, 0.25]))
+    errs = [make_record(step=0, group_id="b", index=0, success=False, tool_error=True)]
+    errs.append(make_record(step=0, group_id="b", index=1, success=False, termination="truncated"))
+    run.write_trajectories(0, errs)
+    run.write_trajectories(1, _group(1, "c", [0.5]))
+    data = run.trajectory_file(0).read_bytes()
+    for entry in run.index():
+        if entry.step == 0:
+            line = data[entry.offset : entry.offset + entry.length]
+            assert json.loads(line)["index_in_group"] == entry.index_in_group
+            assert line.endswith(b"\n")
+    uids = lambda recs: [r.uid for r in recs]  # noqa: E731
+    assert uids(run.find(step=0, group="a")) == ["a/0", "a/1", "a/2"]
+    assert uids(run.find(step=0, group=1)) == ["b/0", "b/1"]  # the second group of step 0
+    assert uids(run.find(group=0)) == ["a/0", "a/1", "a/2", "c/0"]  # first group of each step
+    assert uids(run.find(step=0, group="a", sample=2)) == ["a/2"]
+    assert uids(run.find(failed=True)) == ["a/1", "a/2", "b/0", "b/1", "c/0"]
+    assert uids(run.find(truncated=True)) == ["b/1"]
+    assert uids(run.find(errors=True)) == ["b/0"]
+    assert uids(run.find(reward_min=0.25, reward_max=0.5)) == ["a/2", "c/0"]
+
+
+def test_find_seeks_without_parsing_other_lines(tmp_path: Path) -> None:
+    run = RunDir.create(tmp_path, run_id="r")
+    run.write_trajectories(0, _group(0, "a", [1.0, 0.0]))
+    path = run.trajectory_file(0)
+    data = bytearray(path.read_bytes())
+    first = run.index()[0]
+    # Junk over the first record (same length): only a reader that parses every line notices.
+    data[first.offset : first.offset + first.length - 1] = b"x" * (first.length - 1)
+    path.write_bytes(bytes(data))
+    assert [r.uid for r in run.find(step=0, sample=1)] == ["a/1"]
+
+
+def test_latest_checkpoint_skips_temp_and_empty_dirs(tmp_path: Path) -> None:
+    run = RunDir.create(tmp_path, run_id="r")
+    assert run.latest_checkpoint() is None
+    for step in (5, 10):
+        run.checkpoint_dir(step).mkdir()
+        (run.checkpoint_dir(step) / "state.json").write_text("{}")
+    crashed = run.checkpoint_dir(20)  # a save that died before its rename
+    crashed.with_name(crashed.name + ".tmp").mkdir()
+    (crashed.with_name(crashed.name + ".tmp") / "state.json").write_text("{}")
+    run.checkpoint_dir(30).mkdir()  # created but never written
+    assert not run.checkpoint_dir(40).exists()  # a path, not a directory, until saved into
+    assert run.latest_checkpoint() == tmp_path / "r/checkpoints/step_000010"
+
+
+_TORN_WRITER = """
+import os, sys, time
+from agent_grpo.store import RunDir
+from agent_grpo.trajectory import TrajectoryRecord
+run = RunDir.open(sys.argv[1])
+template = TrajectoryRecord.from_json_line(open(sys.argv[2]).read())
+for i in range(3):
+    run.write_trajectories(0, [template.model_copy(update={"index_in_group": i})])
+line = (template.model_copy(update={"index_in_group": 3}).to_json_line() + "\\n").encode()
+fd = os.open(run.trajectory_file(0), os.O_WRONLY | os.O_APPEND)
+# Two writes force a torn record; the real writer issues one, which a kill can still cut short.
+os.write(fd, line[: len(line) // 2])
+open(sys.argv[3], "w").close()
+time.sleep(60)
+os.write(fd, line[len(line) // 2 :])
+"""
+
+
+def _big_record(size: int) -> TrajectoryRecord:
+    return make_record().model_copy(update={"verifier": {"log": "y" * size}})
+
+
+def _start(script: str, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), *args])
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "writer subprocess did not get there in time"
+        time.sleep(0.02)
+
+
+def test_kill_9_mid_record_skips_exactly_the_torn_one(
+    tmp_path: Path, warnings_log: pytest.LogCaptureFixture
+) -> None:
+    run = RunDir.create(tmp_path, run_id="r")
+    template = tmp_path / "record.json"
+    template.write_text(_big_record(200_000).to_json_line())
+    marker = tmp_path / "half-written"
+    writer = _start(_TORN_WRITER, str(run.path), str(template), str(marker))
+    _wait_for(marker.exists)
+    os.kill(writer.pid, signal.SIGKILL)
+    assert writer.wait() == -signal.SIGKILL
+    torn_at = sum(e.length for e in run.index())
+    assert run.trajectory_file(0).stat().st_size > torn_at  # the half line is on disk
+
+    warnings_log.clear()
+    assert [r.index_in_group for r in run.read_trajectories(0)] == [0, 1, 2]
+    [message] = [r.getMessage() for r in warnings_log.records]
+    assert "step_000000.jsonl" in message and f"byte {torn_at}" in message
+
+    # A resumed writer terminates the fragment, so its own record is not lost with it.
+    run.write_trajectories(0, [make_record(index=4)])
+    assert [r.index_in_group for r in run.read_trajectories(0)] == [0, 1, 2, 4]
+    assert [r.index_in_group for r in run.find(step=0)] == [0, 1, 2, 4]
+    assert run.rebuild_index() == 4
+
+
+_LOOP_WRITER = """
+import sys
+from agent_grpo.store import RunDir
+from agent_grpo.trajectory import TrajectoryRecord
+run = RunDir.open(sys.argv[1])
+template = TrajectoryRecord.from_json_line(open(sys.argv[2]).read())
+i = 0
+while True:
+    run.write_trajectories(0, [template.model_copy(update={"index_in_group": i})])
+    i += 1
+"""
+
+
+def test_kill_9_real_writer_loop_leaves_readable_prefix(
+    tmp_path: Path, warnings_log: pytest.LogCaptureFixture
+) -> None:
+    run = RunDir.create(tmp_path, run_id="r")
+    template = tmp_path / "record.json"
+    template.write_text(_big_record(1_000_000).to_json_line())
+    writer = _start(_LOOP_WRITER, str(run.path), str(template))
+    path = run.trajectory_file(0)
+    _wait_for(lambda: path.exists() and path.stat().st_size > 5_000_000)
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait()
+    data = path.read_bytes()
+    complete = data.count(b"\n")
+    records = run.read_trajectories(0)
+    # Whether the kill tore the last line is luck; what the reader returns must not be.
+    assert [r.index_in_group for r in records] == list(range(complete))
+    assert len(warnings_log.records) == (0 if data.endswith(b"\n") else 1)
+    assert [r.index_in_group for r in run.find(step=0)] == list(range(len(run.index())))
+
+
+def test_torn_metrics_and_index_lines_are_skipped(
+    tmp_path: Path, warnings_log: pytest.LogCaptureFixture
+) -> None:
+    run = RunDir.create(tmp_path, run_id="r")
+    run.write_metrics(0, {"a": 1.0})
+    with open(run.path / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 1, "a": 2.')
+    assert run.read_metrics() == [{"step": 0, "a": 1.0}]
+    run.write_metrics(2, {"a": 3.0})
+    assert run.read_metrics() == [{"step": 0, "a": 1.0}, {"step": 2, "a": 3.0}]
+    assert any("invalid JSON line at byte" in r.getMessage() for r in warnings_log.records)
+
+
+def test_export_parquet_roundtrip(tmp_path: Path) -> None:
+    pq = pytest.importorskip("pyarrow.parquet")
+    run = RunDir.create(tmp_path, run_id="r")
+    run.write_trajectories(0, _group(0, "a", [1.0, 0.0]))
+    run.write_trajectories(2, [make_record(step=2, group_id="b", tool_error=True, reward=0.0)])
+    out = tmp_path / "run.parquet"
+    assert run.export_parquet(out) == 3
+    table = pq.read_table(out).to_pylist()
+    assert [row["uid"] for row in table] == ["a/0", "a/1", "b/0"]
+    assert [row["reward"] for row in table] == [1.0, 0.0, 0.0]
+    assert [row["tool_errors"] for row in table] == [0, 0, 1]
+    first = make_record(step=0, group_id="a")
+    assert table[0]["token_ids"] == first.token_ids
+    assert table[0]["sampler_logprobs"] == first.sampler_logprobs  # None stays None
+    assert json.loads(table[0]["messages_json"])[0]["content"] == "What is 2+2?"
