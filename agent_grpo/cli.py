@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from agent_grpo.config import ConfigError
 from agent_grpo.logs import setup_logging
@@ -45,9 +46,9 @@ def _cmd_envs(args: argparse.Namespace) -> int:
 
 
 def _add_config_command(
-    sub: argparse._SubParsersAction,
+    sub: Any,
     name: str,
-    help_text: str,  # type: ignore[type-arg]
+    help_text: str,
     func: object,
 ) -> argparse.ArgumentParser:
     parser = sub.add_parser(name, help=help_text)

@@ -241,7 +241,7 @@ class TurnOutcome(_Model):
 class TextEnv(gym.Env[Messages, str], Generic[TaskT]):
     """A chat environment: subclasses write `generate_task`, `user_prompt` and `verify`."""
 
-    metadata = {"render_modes": []}  # noqa: RUF012  (gymnasium declares it per instance)
+    metadata = {"render_modes": []}
     system_prompt: str = ""
     """The system message (ToolEnv appends the tool list)."""
     default_max_turns: ClassVar[int] = 1

@@ -10,12 +10,11 @@ sampler logprob 0.0, which is exact, not a placeholder.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from agent_grpo.batch import micro_batches_by_tokens, pack_records
-from agent_grpo.grpo import masked_mean
 from agent_grpo.logprobs import token_logprobs
 from agent_grpo.registry import make_env
 from agent_grpo.tokens import TokenBuilder
@@ -34,22 +33,24 @@ def expert_record(
         prompt = [Message.model_validate(m) for m in obs]
         builder = TokenBuilder(tokenizer, prompt)
         eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        turns, reward, done, kind = [], 0.0, False, "terminated"
+        turns: list[TurnRecord] = []
+        reward, done = 0.0, False
+        kind: Literal["terminated", "truncated"] = "terminated"
         while not done:
             action = env.unwrapped.expert_action()  # type: ignore[attr-defined]
-            ids = tokenizer.encode(action, add_special_tokens=False) + [eos]
-            start = len(builder.token_ids)
-            builder.add_model_turn(ids, [0.0] * len(ids))
+            ids = [*tokenizer.encode(action, add_special_tokens=False), eos]
+            span = builder.add_model_turn(ids, [0.0] * len(ids))
             turns.append(
                 TurnRecord(
-                    index=len(turns),
-                    model_text=builder.messages[-1].content,
-                    token_start=start,
-                    token_end=start + len(ids),
+                    index=span.index,
+                    model_text=span.model_text,
+                    token_start=span.start,
+                    token_end=span.end,
                     finish_reason="stop",
                 )
             )
-            obs, reward, terminated, truncated, _ = env.step(action)
+            obs, step_reward, terminated, truncated, _ = env.step(action)
+            reward = float(step_reward)
             done = terminated or truncated
             kind = "terminated" if terminated else "truncated"
             if not done:

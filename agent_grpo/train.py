@@ -137,7 +137,7 @@ def batch_logprobs(
     return out
 
 
-# ---- the algorithm: advantages, loss, update ------------------------------------------------------
+# ---- the algorithm: advantages, loss, update ---------------------------------------------------
 
 
 def advantages_of(records: Sequence[TrajectoryRecord], algo: AlgoConfig) -> torch.Tensor:
@@ -157,7 +157,7 @@ def loss_denominator(batch: PackedBatch, algo: AlgoConfig, max_tokens: int) -> i
 
 
 def merge_metrics(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """Combine per-micro-batch metrics: min/max stay min/max, counts add, the rest token-weighted."""
+    """Merge micro-batch metrics: min/max stay min/max, counts add, the rest token-weighted."""
     total = sum(w for w, _ in parts) or 1.0
     merged: dict[str, float] = {}
     for key in parts[0][1]:
@@ -195,25 +195,39 @@ def minibatch_update(
     for rows in micro_batches_by_tokens(lengths, algo.micro_batch_tokens):
         part = batch.select(rows)
         width = part.input_ids.shape[1]
-        logprobs = token_logprobs(policy, part.input_ids, part.attention_mask,
-                                  temperature=temperature)  # [b, t]
+        logprobs = token_logprobs(
+            policy, part.input_ids, part.attention_mask, temperature=temperature
+        )  # [b, t]
         seen[rows, :width] = logprobs.detach()
         part_old = logprobs.detach() if old is None else old[rows, :width]  # [b, t]
-        is_weights = None if algo.tis_cap is None else truncated_is_weights(
-            part_old, part.sampler_logprobs, part.loss_mask, algo.tis_cap)  # [b, t]
+        is_weights = (
+            None
+            if algo.tis_cap is None
+            else truncated_is_weights(part_old, part.sampler_logprobs, part.loss_mask, algo.tis_cap)
+        )  # [b, t]
         loss, metrics = policy_loss(
-            logprobs, part_old, part.advantages, part.loss_mask,
+            logprobs,
+            part_old,
+            part.advantages,
+            part.loss_mask,
             ref_logprobs=None if ref is None else ref[rows, :width],
-            clip_low=algo.clip_low, clip_high=algo.clip_high, beta=algo.beta, kl=algo.kl,
-            aggregation=algo.aggregation, max_tokens=max_tokens, is_weights=is_weights,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            beta=algo.beta,
+            kl=algo.kl,
+            aggregation=algo.aggregation,
+            max_tokens=max_tokens,
+            is_weights=is_weights,
             denominator=denominator,
         )
         loss.backward()
-        parts.append((float(part.num_model_tokens),
-                      {"loss": float(loss.detach()), **metrics.as_dict()}))
+        parts.append(
+            (float(part.num_model_tokens), {"loss": float(loss.detach()), **metrics.as_dict()})
+        )
     merged = merge_metrics(parts)
-    merged["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.parameters(),
-                                                               algo.max_grad_norm))
+    merged["grad_norm"] = float(
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), algo.max_grad_norm)
+    )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return merged, seen
@@ -245,8 +259,13 @@ def grpo_update(
             part = batch.select(index)
             width = part.input_ids.shape[1]
             metrics, seen = minibatch_update(
-                policy, optimizer, part, None if old is None else old[index, :width],
-                None if ref is None else ref[index, :width], algo, temperature,
+                policy,
+                optimizer,
+                part,
+                None if old is None else old[index, :width],
+                None if ref is None else ref[index, :width],
+                algo,
+                temperature,
             )
             history.append(metrics)
             if epoch == 0:
@@ -289,11 +308,15 @@ def train_step(
         old = batch.sampler_logprobs
     elif not on_policy:
         old = batch_logprobs(policy, batch, temperature, algo.micro_batch_tokens)  # [B, T]
-    ref = None if reference is None else batch_logprobs(
-        reference, batch, temperature, algo.micro_batch_tokens)  # [B, T]
+    ref = (
+        None
+        if reference is None
+        else batch_logprobs(reference, batch, temperature, algo.micro_batch_tokens)
+    )  # [B, T]
     # 5. loss and optimizer steps, then the engine gets the new weights
-    update, first_pass = grpo_update(policy, optimizer, batch, old, ref, algo, temperature,
-                                     seed=config.seed * 100_003 + step)
+    update, first_pass = grpo_update(
+        policy, optimizer, batch, old, ref, algo, temperature, seed=config.seed * 100_003 + step
+    )
     trainer_old = first_pass if old is None or algo.old_logprobs == "sampler" else old
     backend.update_weights(policy)
     _annotate(records, trainer_old, ref, batch)
@@ -330,7 +353,7 @@ def _annotate(
             ]
 
 
-# ---- the run: eval -> warm start -> GRPO -> eval ---------------------------------------------------
+# ---- the run: eval -> warm start -> GRPO -> eval ------------------------------------------------
 
 
 def run_eval(

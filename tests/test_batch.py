@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from agent_grpo.batch import micro_batches_by_tokens, pack_records
 from agent_grpo.trajectory import Lengths, Message, Provenance, Termination, TrajectoryRecord
 
-P, M, T, O = Provenance.PROMPT, Provenance.MODEL, Provenance.TEMPLATE, Provenance.OBSERVATION
+P, M, T, OBS = Provenance.PROMPT, Provenance.MODEL, Provenance.TEMPLATE, Provenance.OBSERVATION
 
 
 def make_record(provenance: list[Provenance], advantage: float = 0.0) -> TrajectoryRecord:
@@ -35,7 +35,7 @@ def make_record(provenance: list[Provenance], advantage: float = 0.0) -> Traject
 
 
 def test_pack_records_pads_right_and_masks_only_model_tokens() -> None:
-    a = make_record([P, P, M, M, T, O, M], advantage=1.5)
+    a = make_record([P, P, M, M, T, OBS, M], advantage=1.5)
     b = make_record([P, M, M], advantage=-0.5)
     batch = pack_records([a, b], pad_id=2)
     assert batch.input_ids.tolist() == [

@@ -35,7 +35,7 @@ def test_overrides_and_discriminated_backend(tmp_path: Path) -> None:
     config = load_config(TrainConfig, path, ["algo.beta=0.04", "rollout.backend.type=vllm"])
     assert config.algo.beta == 0.04
     assert isinstance(config.rollout.backend, VLLMBackendConfig)
-    with pytest.raises(ConfigError, match="rollout.backend"):
+    with pytest.raises(ConfigError, match=r"rollout\.backend"):
         load_config(TrainConfig, path, ["rollout.backend.type=tpu"])
 
 

@@ -160,7 +160,7 @@ def test_hermes_render_tools_and_stop_strings() -> None:
 class FunctionTagFormat:
     """A second format in one small class: `<function=NAME>{json arguments}</function>`."""
 
-    stop_strings = ["</function>"]  # noqa: RUF012
+    stop_strings = ["</function>"]
 
     def parse(self, text: str) -> list[ParsedToolCall | ToolCallParseError]:
         calls = re.finditer(r"<function=([^>]*)>(.*?)</function>", text, re.DOTALL)

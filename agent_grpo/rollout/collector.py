@@ -17,11 +17,12 @@ Departures from common practice, on purpose:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import gymnasium
 from pydantic import BaseModel, ConfigDict
@@ -204,7 +205,7 @@ def _apply_step(ep: _Episode, result: tuple[Any, float, bool, bool, dict[str, An
         ep.reward = reward
         ep.verifier = dict(step_info.verifier or {})
         ep.success = bool(step_info.success)
-        kind = "terminated" if terminated else "truncated"
+        kind: Literal["terminated", "truncated"] = "terminated" if terminated else "truncated"
         ep.termination = Termination(kind=kind, reason=step_info.end_reason or kind)
         return
     ep.builder.add_observations([Message.model_validate(m) for m in obs])
@@ -347,7 +348,7 @@ def collect_groups(
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     records = []
-    for t, task in enumerate(tasks):
+    for t in range(len(tasks)):
         group_id = f"s{step}-t{t}"
         for ep in episodes[t * config.group_size : (t + 1) * config.group_size]:
             records.append(_to_record(ep, group_id, config.group_size, step, run_id, config))
@@ -361,7 +362,5 @@ def collect_groups(
 
 
 def _close_quietly(env: gymnasium.Env[Any, Any]) -> None:
-    try:
+    with contextlib.suppress(Exception):  # closing a broken env must not lose the other records
         env.close()
-    except Exception:  # closing a broken env must not lose the other records
-        pass
