@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from agent_grpo.envs.answers import number_verdict
-from agent_grpo.tools.calculator import calculator, evaluate
 from pydantic import BaseModel, ConfigDict
 
 from agent_grpo.env import ToolEnv, Verdict
+from agent_grpo.envs.answers import number_verdict
+from agent_grpo.tools.calculator import calculator, evaluate
 
 __all__ = ["ArithmeticTask", "CalculatorEnv", "make_expression"]
 

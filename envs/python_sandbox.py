@@ -12,11 +12,11 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
-from agent_grpo.envs.answers import exact_verdict, number_verdict
-from agent_grpo.tools.python import python
 from pydantic import BaseModel, ConfigDict
 
 from agent_grpo.env import ToolEnv, Verdict
+from agent_grpo.envs.answers import exact_verdict, number_verdict
+from agent_grpo.tools.python import python
 
 __all__ = ["FAMILIES", "ComputeTask", "PythonSandboxEnv"]
 

@@ -13,12 +13,12 @@ from functools import cache
 from typing import Any, Literal
 
 import numpy as np
-from agent_grpo.envs.answers import text_verdict
-from agent_grpo.envs.search_corpus import Company, Corpus, Person, Town, load_corpus
-from agent_grpo.tools.search import BM25Index, make_search_tools
 from pydantic import BaseModel, ConfigDict
 
 from agent_grpo.env import ToolEnv, Verdict
+from agent_grpo.envs.answers import text_verdict
+from agent_grpo.envs.search_corpus import Company, Corpus, Person, Town, load_corpus
+from agent_grpo.tools.search import BM25Index, make_search_tools
 
 __all__ = ["QUESTIONS", "SearchEnv", "SearchTask", "make_question"]
 

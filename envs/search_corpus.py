@@ -17,8 +17,9 @@ from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
-from agent_grpo.tools.search import Document
 from pydantic import BaseModel, ConfigDict
+
+from agent_grpo.tools.search import Document
 
 __all__ = ["Company", "Corpus", "Person", "Town", "build_corpus", "load_corpus"]
 

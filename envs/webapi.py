@@ -13,12 +13,12 @@ import weakref
 from typing import Any, Literal
 
 import numpy as np
-from agent_grpo.envs.answers import number_verdict
-from agent_grpo.envs.inventory_service import Inventory, InventoryState, Item, Order, ServiceThread
-from agent_grpo.tools.http import make_http_tools
 from pydantic import BaseModel, ConfigDict
 
 from agent_grpo.env import ToolEnv, Verdict
+from agent_grpo.envs.answers import number_verdict
+from agent_grpo.envs.inventory_service import Inventory, InventoryState, Item, Order, ServiceThread
+from agent_grpo.tools.http import make_http_tools
 
 __all__ = ["InventoryTask", "WebApiEnv", "expected_state"]
 

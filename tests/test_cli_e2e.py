@@ -28,13 +28,24 @@ RULE_REWARD = 'rewards=[{type: rule, name: even, function: "e2e_rules:even_token
 def agent_grpo(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """Run `agent-grpo ARGS` in a fresh interpreter, failing the test with its output."""
     (cwd / "e2e_rules.py").write_text(RULE)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "COLUMNS": "160",
-           "PYTHONPATH": str(cwd)}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "COLUMNS": "160",
+        "PYTHONPATH": str(cwd),
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "agent_grpo.cli", *args], cwd=cwd, env=env, text=True,
-        capture_output=True, timeout=900,
+        [sys.executable, "-m", "agent_grpo.cli", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=900,
     )
-    assert done.returncode == 0, f"agent-grpo {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, (
+        f"agent-grpo {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    )
     return done
 
 
@@ -51,9 +62,15 @@ def deterministic(row: dict[str, float]) -> dict[str, float]:
 def trained(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
     """Two GRPO steps on Calculator-v0 with the tiny model, checkpointing every step."""
     root = tmp_path_factory.mktemp("runs")
-    agent_grpo("train", str(ROOT / "configs/calculator-tiny.yaml"),
-               f"model.name_or_path={tiny_model_dir}", f"run.root={root}", "run.name=full",
-               RULE_REWARD, cwd=root)
+    agent_grpo(
+        "train",
+        str(ROOT / "configs/calculator-tiny.yaml"),
+        f"model.name_or_path={tiny_model_dir}",
+        f"run.root={root}",
+        "run.name=full",
+        RULE_REWARD,
+        cwd=root,
+    )
     return root
 
 
@@ -67,15 +84,21 @@ def test_train_writes_metrics_trajectories_and_checkpoints(trained: Path) -> Non
     assert any("eval_success_rate" in r for r in rows)
     assert (run / "config.yaml").exists()
     assert sorted(p.name for p in (run / "trajectories").iterdir())[:2] == [
-        "step_000000.jsonl", "step_000001.jsonl"]
+        "step_000000.jsonl",
+        "step_000001.jsonl",
+    ]
     checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert len(checkpoints) == 2
 
 
 def test_resume_continues_with_identical_next_step(trained: Path, tiny_model_dir: Path) -> None:
     config = str(ROOT / "configs/calculator-tiny.yaml")
-    common = [f"model.name_or_path={tiny_model_dir}", f"run.root={trained}", "run.name=resumed",
-              RULE_REWARD]
+    common = [
+        f"model.name_or_path={tiny_model_dir}",
+        f"run.root={trained}",
+        "run.name=resumed",
+        RULE_REWARD,
+    ]
     agent_grpo("train", config, *common, "steps=1", "eval=null", cwd=trained)
     agent_grpo("train", config, *common, "steps=2", "eval=null", "--resume", cwd=trained)
     full = [r for r in metrics(trained / "full") if "reward_mean" in r]
@@ -88,9 +111,15 @@ def test_eval_and_envs(tmp_path: Path, tiny_model_dir: Path) -> None:
     done = agent_grpo("envs", cwd=tmp_path)
     for name in ("Calculator-v0", "PythonSandbox-v0", "Search-v0", "WebApi-v0"):
         assert f"agent_grpo/{name}" in done.stdout
-    done = agent_grpo("eval", str(ROOT / "configs/eval-calculator.yaml"),
-                      f"model.name_or_path={tiny_model_dir}", f"run.root={tmp_path}",
-                      "eval.tasks=2", "eval.max_tokens=8", cwd=tmp_path)
+    done = agent_grpo(
+        "eval",
+        str(ROOT / "configs/eval-calculator.yaml"),
+        f"model.name_or_path={tiny_model_dir}",
+        f"run.root={tmp_path}",
+        "eval.tasks=2",
+        "eval.max_tokens=8",
+        cwd=tmp_path,
+    )
     assert "success_rate" in done.stdout
     [row] = metrics(tmp_path / "eval-calculator")
     assert row["eval_tasks"] == 2.0
@@ -99,8 +128,18 @@ def test_eval_and_envs(tmp_path: Path, tiny_model_dir: Path) -> None:
 def test_a_bad_config_key_is_a_clear_error(tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "agent_grpo.cli", "train", str(ROOT / "configs/calculator.yaml"),
-         "algo.clip_hihg=0.3"], cwd=tmp_path, env=env, text=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "agent_grpo.cli",
+            "train",
+            str(ROOT / "configs/calculator.yaml"),
+            "algo.clip_hihg=0.3",
+        ],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        capture_output=True,
         timeout=300,
     )
     assert done.returncode == 2

@@ -34,8 +34,9 @@ class ScriptedBackend:
         starts = sum(prompt[i : i + n] == self.assistant for i in range(len(prompt) - n + 1))
         return starts - 1
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
-                 seeds: list[int]) -> list[Generation]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]
+    ) -> list[Generation]:
         self.calls.append(len(prompts))
         out = []
         for prompt in prompts:
@@ -74,8 +75,12 @@ def test_calculator_groups_are_batched_per_turn_and_pass_invariants(tokenizer) -
         assert record.lengths.turns == 2 == len(record.turns)
         assert record.group_member_ids == [f"{record.group_id}/0", f"{record.group_id}/1"]
         kinds = set(record.provenance)
-        assert kinds == {Provenance.PROMPT, Provenance.MODEL, Provenance.TEMPLATE,
-                         Provenance.OBSERVATION}
+        assert kinds == {
+            Provenance.PROMPT,
+            Provenance.MODEL,
+            Provenance.TEMPLATE,
+            Provenance.OBSERVATION,
+        }
     assert result.metrics.tool_calls == 6 and result.metrics.tool_errors == 0
     assert result.metrics.generated_tokens == sum(r.lengths.model for r in records)
 
@@ -83,8 +88,9 @@ def test_calculator_groups_are_batched_per_turn_and_pass_invariants(tokenizer) -
 def test_max_tokens_per_turn_truncates_without_verifying(tokenizer) -> None:
     backend = ScriptedBackend(tokenizer, ["Answer: " + "9" * 200])
     config = CollectorConfig(group_size=1, sampling=SamplingConfig(max_tokens=8), progress=False)
-    [record] = collect_groups([Task(env_id="agent_grpo/Calculator-v0", seed=1)], backend,
-                              tokenizer, config).records
+    [record] = collect_groups(
+        [Task(env_id="agent_grpo/Calculator-v0", seed=1)], backend, tokenizer, config
+    ).records
     assert record.termination.kind == "truncated"
     assert record.termination.reason == "max_tokens_per_turn"
     assert record.reward == 0.0 and record.lengths.model == 8
@@ -92,12 +98,17 @@ def test_max_tokens_per_turn_truncates_without_verifying(tokenizer) -> None:
 
 def test_context_limit_drops_sampled_tokens_past_it(tokenizer) -> None:
     backend = ScriptedBackend(tokenizer, [CALL, "Answer: 408"])
-    probe = collect_groups([Task(env_id="agent_grpo/Calculator-v0", seed=1)], backend, tokenizer,
-                           CollectorConfig(group_size=1, progress=False)).records[0]
+    probe = collect_groups(
+        [Task(env_id="agent_grpo/Calculator-v0", seed=1)],
+        backend,
+        tokenizer,
+        CollectorConfig(group_size=1, progress=False),
+    ).records[0]
     prompt_len = probe.lengths.prompt
     config = CollectorConfig(group_size=1, max_context_tokens=prompt_len + 5, progress=False)
-    [record] = collect_groups([Task(env_id="agent_grpo/Calculator-v0", seed=1)], backend,
-                              tokenizer, config).records
+    [record] = collect_groups(
+        [Task(env_id="agent_grpo/Calculator-v0", seed=1)], backend, tokenizer, config
+    ).records
     assert record.termination.reason == "max_context"
     assert len(record.token_ids) == prompt_len + 5
     check_invariants(record, tokenizer)
@@ -186,10 +197,15 @@ def test_hf_backend_same_seeds_same_trajectories(tokenizer, tiny_model) -> None:
 
     model, _ = tiny_model
     tasks = [Task(env_id="agent_grpo/Calculator-v0", seed=s) for s in (1, 2)]
-    config = CollectorConfig(group_size=3, progress=False,
-                             sampling=SamplingConfig(temperature=1.0, max_tokens=12, seed=5))
-    runs = [collect_groups(tasks, HFBackend(model, tokenizer), tokenizer, config).records
-            for _ in range(2)]
+    config = CollectorConfig(
+        group_size=3,
+        progress=False,
+        sampling=SamplingConfig(temperature=1.0, max_tokens=12, seed=5),
+    )
+    runs = [
+        collect_groups(tasks, HFBackend(model, tokenizer), tokenizer, config).records
+        for _ in range(2)
+    ]
     for a, b in zip(*runs, strict=True):
         assert a.token_ids == b.token_ids
         assert a.sampler_logprobs == pytest.approx(b.sampler_logprobs, abs=1e-6)

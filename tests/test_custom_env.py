@@ -13,11 +13,11 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import pytest
-from agent_grpo.envs.answers import text_verdict
 from gymnasium.utils.env_checker import check_env
 from pydantic import BaseModel
 
 from agent_grpo.env import ToolEnv, Verdict, heldout_seeds, read_step_info, run_expert
+from agent_grpo.envs.answers import text_verdict
 from agent_grpo.registry import make_env
 from agent_grpo.tool import tool
 

@@ -16,19 +16,12 @@ import time
 import warnings
 from fractions import Fraction
 
-import agent_grpo.envs  # noqa: F401  (registers the built-ins)
 import gymnasium as gym
 import numpy as np
 import pytest
-from agent_grpo.envs.answers import exact_verdict, extract_answer, number_verdict, text_verdict
-from agent_grpo.envs.calculator import CalculatorEnv
-from agent_grpo.envs.search import HELDOUT_EVERY, SearchEnv
-from agent_grpo.envs.search_corpus import CORPUS_PATH, build_corpus, dump_corpus
-from agent_grpo.envs.webapi import WebApiEnv
-from agent_grpo.tools.calculator import CalculatorError, evaluate
-from agent_grpo.tools.search import BM25Index, Document
 from gymnasium.utils.env_checker import check_env
 
+import agent_grpo.envs  # noqa: F401  (registers the built-ins)
 from agent_grpo.env import (
     HELDOUT_SEEDS,
     STEP_INFO_KEY,
@@ -42,7 +35,14 @@ from agent_grpo.env import (
     run_expert,
     split_of,
 )
+from agent_grpo.envs.answers import exact_verdict, extract_answer, number_verdict, text_verdict
+from agent_grpo.envs.calculator import CalculatorEnv
+from agent_grpo.envs.search import HELDOUT_EVERY, SearchEnv
+from agent_grpo.envs.search_corpus import CORPUS_PATH, build_corpus, dump_corpus
+from agent_grpo.envs.webapi import WebApiEnv
 from agent_grpo.tool import tool
+from agent_grpo.tools.calculator import CalculatorError, evaluate
+from agent_grpo.tools.search import BM25Index, Document
 
 BUILTINS = ["Calculator-v0", "PythonSandbox-v0", "Search-v0", "WebApi-v0"]
 
