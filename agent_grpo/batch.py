@@ -14,7 +14,7 @@ import torch
 
 from agent_grpo.trajectory import Provenance, TrajectoryRecord
 
-__all__ = ["PackedBatch", "micro_batches_by_tokens", "pack_records"]
+__all__ = ["PackedBatch", "micro_batches", "micro_batches_by_tokens", "pack_records"]
 
 
 @dataclass
@@ -26,6 +26,7 @@ class PackedBatch:
     loss_mask: torch.Tensor  # [B, T] bool, True exactly on model tokens
     sampler_logprobs: torch.Tensor  # [B, T] float, NaN where the sampler gave none
     advantages: torch.Tensor  # [B] float
+    group_index: torch.Tensor  # [B] long, rows of one GRPO group share a value
 
     @property
     def num_model_tokens(self) -> int:
@@ -42,6 +43,7 @@ class PackedBatch:
             self.loss_mask[index, :width],
             self.sampler_logprobs[index, :width],
             self.advantages[index],
+            self.group_index[index],
         )
 
 
@@ -66,7 +68,9 @@ def pack_records(
         loss_mask[b, :n] = torch.tensor([p is Provenance.MODEL for p in record.provenance])
         sampler[b, :n] = torch.tensor(_logprob_row(record.sampler_logprobs))
     values = advantages if advantages is not None else [r.advantage or 0.0 for r in records]
-    return PackedBatch(input_ids, attention, loss_mask, sampler, torch.tensor(list(values)))
+    codes: dict[str, int] = {}
+    groups = torch.tensor([codes.setdefault(r.group_id, len(codes)) for r in records])  # [B]
+    return PackedBatch(input_ids, attention, loss_mask, sampler, torch.tensor(list(values)), groups)
 
 
 def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -86,3 +90,24 @@ def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[lis
     if current:
         groups.append(current)
     return groups
+
+
+def micro_batches(
+    batch: PackedBatch, max_tokens: int, *, by_group: bool, rows: Sequence[int] | None = None
+) -> list[list[int]]:
+    """Row groups for forward passes: token-sized, and within one GRPO group when `by_group`.
+
+    Only `rows` (default: all) are placed. Keeping a group together lets its members share one
+    pass over their common prompt (`shared_prefix_token_logprobs`).
+    """
+    wanted = list(range(batch.input_ids.shape[0])) if rows is None else list(rows)
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    buckets: dict[int, list[int]] = {}
+    for row in wanted:
+        key = int(batch.group_index[row]) if by_group else 0
+        buckets.setdefault(key, []).append(row)
+    out = []
+    for members in buckets.values():
+        for part in micro_batches_by_tokens([lengths[r] for r in members], max_tokens):
+            out.append([members[i] for i in part])
+    return out

@@ -28,7 +28,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["position_ids_from_mask", "reference_token_logprobs", "token_logprobs"]
+__all__ = [
+    "common_prefix_length",
+    "position_ids_from_mask",
+    "reference_token_logprobs",
+    "shared_prefix_token_logprobs",
+    "token_logprobs",
+]
 
 DEFAULT_CHUNK_SIZE = 1024
 """Tokens per head chunk: 1024 x 49152 fp32 logits is 200 MB, x 152k (Qwen) is 620 MB."""
@@ -81,28 +87,17 @@ def _hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) 
     return cast(Tensor, out.last_hidden_state)
 
 
-def token_logprobs(
+def _head_logprobs(
     model: nn.Module,
+    hidden: Tensor,
     input_ids: Tensor,
-    attention_mask: Tensor | None = None,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    valid: Tensor,
+    temperature: float,
+    chunk_size: int,
 ) -> Tensor:
-    """Logprob of each token given its prefix, `[B, T]`, computed `chunk_size` tokens at a time.
-
-    At least fp32 (fp64 models give fp64). `out[:, 0]`, the first real token of a left-padded
-    row, and padded positions are 0.
-    Differentiable when grad is enabled (chunks are checkpointed); under `torch.no_grad()` it
-    simply loops over chunks.
-    """
-    _check_plain_head(model)
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
+    """Apply the output head chunk by chunk where `valid` [B, T-1] says a target is wanted."""
     batch, length = input_ids.shape
-    hidden = _hidden_states(model, input_ids, attention_mask)  # [B, T, H]
-    valid = _has_prefix(attention_mask).reshape(-1)  # [B*(T-1)]
-    index = valid.nonzero().squeeze(-1)  # [N]
+    index = valid.reshape(-1).nonzero().squeeze(-1)  # [N]
     flat_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[index]  # [N, H]
     targets = input_ids[:, 1:].reshape(-1)[index]  # [N]
     head = cast(nn.Module, model.get_output_embeddings())  # type: ignore[operator]
@@ -119,6 +114,95 @@ def token_logprobs(
     flat = values.new_zeros(batch * (length - 1)).index_copy(0, index, values)  # [B*(T-1)]
     first = values.new_zeros(batch, 1)  # [B, 1]
     return torch.cat([first, flat.view(batch, length - 1)], dim=1)  # [B, T]
+
+
+def _wanted(attention_mask: Tensor, target_mask: Tensor | None) -> Tensor:
+    """`[B, T-1]` targets to score: real, with a real predictor, and in `target_mask` if given."""
+    valid = _has_prefix(attention_mask)  # [B, T-1]
+    return valid if target_mask is None else valid & target_mask[:, 1:].bool()
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    target_mask: Tensor | None = None,
+) -> Tensor:
+    """Logprob of each token given its prefix, `[B, T]`, computed `chunk_size` tokens at a time.
+
+    At least fp32 (fp64 models give fp64). `out[:, 0]`, the first real token of a left-padded
+    row, and padded positions are 0. With `target_mask` [B, T], only those tokens are scored
+    (the rest are 0): the trainer passes the loss mask, so the output head never runs on prompt
+    or tool tokens.
+    Differentiable when grad is enabled (chunks are checkpointed); under `torch.no_grad()` it
+    simply loops over chunks.
+    """
+    _check_plain_head(model)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    hidden = _hidden_states(model, input_ids, attention_mask)  # [B, T, H]
+    wanted = _wanted(attention_mask, target_mask)  # [B, T-1]
+    return _head_logprobs(model, hidden, input_ids, wanted, temperature, chunk_size)
+
+
+def shared_prefix_token_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prefix_len: int,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    target_mask: Tensor | None = None,
+) -> Tensor:
+    """`token_logprobs` for right-padded rows that share their first `prefix_len` tokens.
+
+    The G samples of a GRPO group share the whole prompt (often most of the sequence), so the
+    backbone runs once over the shared prefix and the G suffixes attend to its cached keys and
+    values; gradients flow back through the cache into the one prefix pass. Same result as
+    `token_logprobs` on the full rows, for about `prefix + G * suffix` tokens of work instead of
+    `G * (prefix + suffix)`.
+    """
+    _check_plain_head(model)
+    rows, length = input_ids.shape
+    cached = prefix_len - 1  # the last shared token starts the suffix: its state predicts the next
+    if cached < 1 or rows == 1:
+        return token_logprobs(
+            model,
+            input_ids,
+            attention_mask,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            target_mask=target_mask,
+        )
+    backbone = cast(nn.Module, model.get_decoder())  # type: ignore[operator]
+    prefix = backbone(input_ids=input_ids[:1, :cached], use_cache=True)
+    cache = prefix.past_key_values
+    cache.batch_repeat_interleave(rows)  # [1, ...] -> [G, ...], differentiable
+    positions = torch.arange(cached, length, device=input_ids.device).expand(rows, -1)  # [G, S]
+    suffix = backbone(
+        input_ids=input_ids[:, cached:],
+        attention_mask=attention_mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    shared = prefix.last_hidden_state.expand(rows, -1, -1)  # [G, P-1, H]
+    hidden = torch.cat([shared, suffix.last_hidden_state], dim=1)  # [G, T, H]
+    wanted = _wanted(attention_mask, target_mask)  # [G, T-1]
+    return _head_logprobs(model, hidden, input_ids, wanted, temperature, chunk_size)
+
+
+def common_prefix_length(input_ids: Tensor, attention_mask: Tensor) -> int:
+    """Length of the token prefix every (right-padded) row shares."""
+    lengths = attention_mask.sum(dim=1)  # [G]
+    same = (input_ids == input_ids[:1]).all(dim=0)  # [T]
+    limit = int(lengths.min())
+    differs = (~same[:limit]).nonzero()
+    return int(differs[0]) if differs.numel() else limit
 
 
 def reference_token_logprobs(

@@ -79,7 +79,9 @@ def expert_record(
 
 def sft_loss(model: torch.nn.Module, batch: Any, denominator: int) -> torch.Tensor:
     """Negative log-likelihood summed over model tokens, divided by `denominator`."""
-    logprobs = token_logprobs(model, batch.input_ids, batch.attention_mask)  # [B, T]
+    logprobs = token_logprobs(
+        model, batch.input_ids, batch.attention_mask, target_mask=batch.loss_mask
+    )  # [B, T]
     mask = batch.loss_mask  # [B, T]
     return -torch.where(mask, logprobs, 0.0).sum() / denominator
 

@@ -95,7 +95,11 @@ def signal_metrics(
 def logprob_mismatch(
     trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, float]:
-    """Mean and max |trainer - sampler| logprob over model tokens (engine/trainer mismatch)."""
+    """Mean and max |trainer - sampler| logprob over model tokens (engine/trainer mismatch).
+
+    Tokens the trainer did not score (NaN: rows skipped for zero advantage) are left out.
+    """
+    mask = mask & torch.isfinite(trainer) & torch.isfinite(sampler)  # [B, T]
     diff = torch.where(mask, (trainer - sampler).abs(), 0.0)  # [B, T]
     count = int(mask.sum())
     return {

@@ -19,6 +19,7 @@ Where we depart from the papers, and why:
 from __future__ import annotations
 
 import copy
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -29,13 +30,17 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from agent_grpo.batch import PackedBatch, micro_batches_by_tokens, pack_records
+from agent_grpo.batch import PackedBatch, micro_batches, pack_records
 from agent_grpo.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from agent_grpo.config import dump_config
 from agent_grpo.env import heldout_seeds, train_seeds
 from agent_grpo.evaluate import EvalResult, evaluate
 from agent_grpo.grpo import group_advantages, policy_loss, truncated_is_weights
-from agent_grpo.logprobs import token_logprobs
+from agent_grpo.logprobs import (
+    common_prefix_length,
+    shared_prefix_token_logprobs,
+    token_logprobs,
+)
 from agent_grpo.logs import get_logger
 from agent_grpo.models import load_model, load_tokenizer, resolve_model_path
 from agent_grpo.registry import make_env
@@ -121,18 +126,31 @@ def top_up_live_groups(
     return RolloutResult(records=records, metrics=result.metrics)
 
 
+def part_logprobs(
+    model: torch.nn.Module, part: PackedBatch, temperature: float, shared_prefix: bool
+) -> torch.Tensor:
+    """Logprobs [b, t] of a micro-batch's model tokens (0 elsewhere); one prompt pass per group."""
+    if shared_prefix:
+        shared = common_prefix_length(part.input_ids, part.attention_mask)
+        return shared_prefix_token_logprobs(
+            model, part.input_ids, part.attention_mask, shared,
+            temperature=temperature, target_mask=part.loss_mask,
+        )  # fmt: skip
+    return token_logprobs(
+        model, part.input_ids, part.attention_mask, temperature=temperature,
+        target_mask=part.loss_mask,
+    )  # fmt: skip
+
+
 @torch.no_grad()
 def batch_logprobs(
-    model: torch.nn.Module, batch: PackedBatch, temperature: float, micro_batch_tokens: int
+    model: torch.nn.Module, batch: PackedBatch, temperature: float, algo: AlgoConfig
 ) -> torch.Tensor:
     """Per-token logprobs of a whole batch, micro-batch by micro-batch (no grad)."""
     out = torch.full(batch.input_ids.shape, float("nan"))  # [B, T]
-    lengths = batch.attention_mask.sum(dim=1).tolist()
-    for rows in micro_batches_by_tokens(lengths, micro_batch_tokens):
+    for rows in micro_batches(batch, algo.micro_batch_tokens, by_group=algo.shared_prefix):
         part = batch.select(rows)
-        values = token_logprobs(
-            model, part.input_ids, part.attention_mask, temperature=temperature
-        )  # [b, t]
+        values = part_logprobs(model, part, temperature, algo.shared_prefix)  # [b, t]
         out[rows, : values.shape[1]] = values.float()
     return out
 
@@ -173,6 +191,18 @@ def merge_metrics(parts: list[tuple[float, dict[str, float]]]) -> dict[str, floa
     return merged
 
 
+def rows_to_compute(batch: PackedBatch, algo: AlgoConfig, ref: torch.Tensor | None) -> list[int]:
+    """Rows whose loss can be non-zero: with beta = 0, a zero-advantage row adds exactly 0.
+
+    Their tokens still count in the token-mean denominator (unless dead groups are dropped), so
+    skipping their forward pass changes neither the loss nor the gradient, only the cost.
+    """
+    has_tokens = batch.loss_mask.any(dim=1)  # [B]
+    if ref is None and algo.skip_zero_advantage:
+        has_tokens &= batch.advantages != 0
+    return has_tokens.nonzero().squeeze(-1).tolist()
+
+
 def minibatch_update(
     policy: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -191,13 +221,15 @@ def minibatch_update(
     denominator = loss_denominator(batch, algo, max_tokens)
     seen = torch.full(batch.input_ids.shape, float("nan"))  # [B, T]
     parts: list[tuple[float, dict[str, float]]] = []
-    lengths = batch.attention_mask.sum(dim=1).tolist()
-    for rows in micro_batches_by_tokens(lengths, algo.micro_batch_tokens):
+    for rows in micro_batches(
+        batch,
+        algo.micro_batch_tokens,
+        by_group=algo.shared_prefix,
+        rows=rows_to_compute(batch, algo, ref),
+    ):
         part = batch.select(rows)
         width = part.input_ids.shape[1]
-        logprobs = token_logprobs(
-            policy, part.input_ids, part.attention_mask, temperature=temperature
-        )  # [b, t]
+        logprobs = part_logprobs(policy, part, temperature, algo.shared_prefix)  # [b, t]
         seen[rows, :width] = logprobs.detach()
         part_old = logprobs.detach() if old is None else old[rows, :width]  # [b, t]
         is_weights = (
@@ -224,7 +256,7 @@ def minibatch_update(
         parts.append(
             (float(part.num_model_tokens), {"loss": float(loss.detach()), **metrics.as_dict()})
         )
-    merged = merge_metrics(parts)
+    merged = merge_metrics(parts) if parts else {"loss": 0.0, "num_tokens": 0.0}
     merged["grad_norm"] = float(
         torch.nn.utils.clip_grad_norm_(policy.parameters(), algo.max_grad_norm)
     )
@@ -307,11 +339,9 @@ def train_step(
     if algo.old_logprobs == "sampler":
         old = batch.sampler_logprobs
     elif not on_policy:
-        old = batch_logprobs(policy, batch, temperature, algo.micro_batch_tokens)  # [B, T]
+        old = batch_logprobs(policy, batch, temperature, algo)  # [B, T]
     ref = (
-        None
-        if reference is None
-        else batch_logprobs(reference, batch, temperature, algo.micro_batch_tokens)
+        None if reference is None else batch_logprobs(reference, batch, temperature, algo)
     )  # [B, T]
     # 5. loss and optimizer steps, then the engine gets the new weights
     update, first_pass = grpo_update(
@@ -340,17 +370,18 @@ def _annotate(
     ref: torch.Tensor | None,
     batch: PackedBatch,
 ) -> None:
-    """Store trainer logprobs on each record (None off the model tokens)."""
+    """Store trainer logprobs on each record: None where the trainer scored no token."""
+
+    def row(values: torch.Tensor, b: int, n: int) -> list[float | None]:
+        mask = batch.loss_mask[b, :n].tolist()
+        return [v if m and math.isfinite(v) else None
+                for v, m in zip(values[b, :n].tolist(), mask, strict=True)]  # fmt: skip
+
     for b, record in enumerate(records):
-        mask = batch.loss_mask[b].tolist()
         n = len(record.token_ids)
-        record.old_logprobs = [
-            v if m else None for v, m in zip(old[b, :n].tolist(), mask[:n], strict=True)
-        ]
+        record.old_logprobs = row(old, b, n)
         if ref is not None:
-            record.ref_logprobs = [
-                v if m else None for v, m in zip(ref[b, :n].tolist(), mask[:n], strict=True)
-            ]
+            record.ref_logprobs = row(ref, b, n)
 
 
 # ---- the run: eval -> warm start -> GRPO -> eval ------------------------------------------------

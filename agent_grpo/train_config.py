@@ -145,6 +145,10 @@ class AlgoConfig(ConfigModel):
     """Optimizer steps per epoch; the batch is split into this many minibatches."""
     micro_batch_tokens: int = 4096
     """Most tokens per forward/backward; gradients are accumulated across micro-batches."""
+    shared_prefix: bool = True
+    """Run the backbone once over each group's shared prompt (same result, less compute)."""
+    skip_zero_advantage: bool = True
+    """With beta = 0, skip the forward pass of rows with zero advantage (they add exactly 0)."""
     old_logprobs: Literal["trainer", "sampler"] = "trainer"
     """Where pi_old comes from: recomputed by the trainer, or the sampler's logprobs."""
     tis_cap: float | None = None

@@ -1,0 +1,62 @@
+"""The trainer's fast paths (shared prompt pass, skipped zero-advantage rows, micro-batching)
+give the same update as the plain computation."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from agent_grpo.batch import pack_records
+from agent_grpo.train import minibatch_update
+from agent_grpo.train_config import AlgoConfig
+from agent_grpo.trajectory import Lengths, Message, Provenance, Termination, TrajectoryRecord
+
+
+def group_records(
+    group: str, prompt: list[int], completions: list[list[int]], advantages: list[float]
+) -> list[TrajectoryRecord]:
+    out = []
+    for i, (done, adv) in enumerate(zip(completions, advantages, strict=True)):
+        ids = prompt + done
+        prov = [Provenance.PROMPT] * len(prompt) + [Provenance.MODEL] * len(done)
+        out.append(TrajectoryRecord(
+            group_id=group, task_id=group, index_in_group=i, group_size=len(completions),
+            env_id="e", seed=0, messages=[Message(role="user", content="q")], token_ids=ids,
+            provenance=prov, sampler_logprobs=[None] * len(prompt) + [-1.0] * len(done),
+            termination=Termination(kind="terminated", reason="t"),
+            lengths=Lengths(total=len(ids)), advantage=adv,
+        ))  # fmt: skip
+    return out
+
+
+def update(model: torch.nn.Module, algo: AlgoConfig, records: list[TrajectoryRecord]):
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    metrics, seen = minibatch_update(model, optimizer, pack_records(records, 2), None, None,
+                                     algo, temperature=0.9)  # fmt: skip
+    return model, metrics, seen
+
+
+def test_fast_paths_give_the_plain_update(tiny_model) -> None:
+    model, _ = tiny_model
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, 1000, (n,), generator=g).tolist()
+
+    records = group_records("a", ids(17), [ids(5), ids(3), ids(6)], [1.0, -0.5, -0.5])
+    records += group_records("b", ids(11), [ids(4), ids(4)], [0.0, 0.0])  # a dead group
+    records += group_records("c", ids(20), [ids(2), ids(7)], [0.7, -0.7])
+    plain = AlgoConfig(shared_prefix=False, skip_zero_advantage=False, micro_batch_tokens=10**6)
+    fast = AlgoConfig(shared_prefix=True, skip_zero_advantage=True, micro_batch_tokens=40)
+    slow_model, slow_metrics, slow_seen = update(model, plain, records)
+    fast_model, fast_metrics, fast_seen = update(model, fast, records)
+    assert abs(slow_metrics["loss"] - fast_metrics["loss"]) < 1e-6
+    assert abs(slow_metrics["grad_norm"] - fast_metrics["grad_norm"]) < 1e-4
+    for a, b in zip(slow_model.parameters(), fast_model.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    # the dead group was skipped by the fast path: no trainer logprobs there
+    assert torch.isnan(fast_seen[3:5]).all() and not torch.isnan(slow_seen[3, 11:15]).any()
+    scored = ~torch.isnan(fast_seen)
+    assert torch.allclose(fast_seen[scored], slow_seen[scored], atol=1e-5)
