@@ -277,7 +277,9 @@ def test_turn_two_reuses_the_prefix_cache_with_identical_results(model_and_promp
         r.extra["reused_tokens"] + r.extra["prefill_tokens"] == len(p)
         for r, p in zip(reused, turn2, strict=True)
     )
-    assert fresh[0].extra["reused_tokens"] == 0
+    # A fresh backend prefills the batch's common prefix once and every row reuses only that.
+    common = min(common_prefix_len(torch.tensor(turn2[0]), torch.tensor(p)) for p in turn2)
+    assert [f.extra["reused_tokens"] for f in fresh] == [common] * len(turn2)
     # Turn 2's rows were cached from a batch with holes (mixed reuse); turn 3 reads them back.
     turn3 = [p + g.token_ids + glue[i] for i, (p, g) in enumerate(zip(turn2, reused, strict=True))]
     again = backend.generate(turn3, sampling, [8, 9, 10, 11])
@@ -312,7 +314,8 @@ def test_update_weights_from_another_module_loads_its_weights(model_and_prompts,
     for a, t, b in zip(after, target, before, strict=True):
         assert a.token_ids == t.token_ids and a.token_ids != b.token_ids
         assert a.logprobs == pytest.approx(t.logprobs, abs=1e-5)
-        assert a.extra["reused_tokens"] == 0
+        # nothing cached under the old weights is reused: only this batch's shared prefix
+        assert a.extra["reused_tokens"] == t.extra["reused_tokens"]
 
 
 def test_bad_inputs_and_the_callers_training_mode(model_and_prompts):
@@ -354,3 +357,18 @@ def test_smollm2_greedy_answer_and_speed(embedded_model_dir, tokenizer):
     rate_16 = tokens_per_second(bench, prompt, batch=16, new=32)
     print(f"\nSmolLM2-135M hf backend: batch 1 {rate_1:.1f} tok/s, batch 16 {rate_16:.1f} tok/s")
     assert rate_1 > 2.0 and rate_16 > rate_1
+
+
+def test_a_batch_shares_one_prefill_of_its_common_prompt(model_and_prompts):
+    model, tokenizer, prompts = model_and_prompts
+    sampling = SamplingConfig(temperature=1.0, max_tokens=4)
+    group = [prompts[0]] * 4  # a GRPO group: G copies of one prompt
+    shared = HFBackend(model, tokenizer)
+    out = shared.generate(group, sampling, [1, 2, 3, 4])
+    assert [g.extra["reused_tokens"] for g in out] == [len(prompts[0]) - 1] * 4
+    assert shared.stats.prefill_tokens == len(prompts[0]) - 1 + 4  # once, then 1 token per row
+    alone = [HFBackend(model, tokenizer).generate([p], sampling, [s])[0]
+             for p, s in zip(group, [1, 2, 3, 4], strict=True)]  # fmt: skip
+    for a, b in zip(out, alone, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

@@ -284,6 +284,10 @@ def _right_aligned(lengths: Sequence[int], width: int) -> torch.Tensor:
     return torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None]
 
 
+MIN_SHARED_PREFIX = 16
+"""A batch's common prompt prefix is prefilled once when at least this many tokens are new."""
+
+
 class HFBackend:
     """Batched sampling from a transformers causal LM, with exact logprobs and a KV prefix cache."""
 
@@ -350,9 +354,31 @@ class HFBackend:
         """Free the prefix cache."""
         self.prefix_cache.clear()
 
+    def _warm_shared_prefix(self, prompts: list[list[int]]) -> None:
+        """Prefill the prompts' common prefix once, so every row reuses it from the cache.
+
+        A group's G samples share their whole prompt, and an environment's tasks share their
+        system prompt and tool list: without this, the first turn encodes them G x tasks times.
+        """
+        shared = min(len(p) for p in prompts) - 1  # leave each row one token to prefill
+        for i, token in enumerate(prompts[0][:shared]):
+            if any(p[i] != token for p in prompts[1:]):
+                shared = i
+                break
+        cached, _ = self.prefix_cache.lookup(prompts[0][: shared + 1])
+        if len(prompts) < 2 or shared - cached < MIN_SHARED_PREFIX:
+            return
+        prefix = prompts[0][:shared]
+        valid = torch.ones(1, shared, dtype=torch.bool, device=self.device)  # [1, P]
+        cache = DynamicCache()
+        self._forward(torch.tensor([prefix], device=self.device), valid, cache)
+        self.prefix_cache.insert(prefix, _row_kv(cache, 0, valid[0]))
+        self.stats.prefill_tokens += shared
+
     def _generate_chunk(
         self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]
     ) -> list[Generation]:
+        self._warm_shared_prefix(prompts)
         hits = [self.prefix_cache.lookup(p) for p in prompts]
         rows = [
             _Row(list(p), n, torch.Generator().manual_seed(s))
