@@ -1,0 +1,302 @@
+"""Sharded GRPO updates: N processes must take exactly the step one process takes.
+
+The 2-process tests launch `tests/dist_worker.py` with torchrun (gloo, CPU, loopback only) and
+compare its parameters with `train.minibatch_update` run here on the same global batch. The
+batch is built so the per-rank model-token counts are far apart (53 vs 16), which is what makes
+a per-rank denominator visibly wrong. SGD, not AdamW: its update is linear in the gradient, so a
+tolerance on parameters is a tolerance on gradients (Adam's first step is lr * sign(g)).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from agent_grpo.batch import PackedBatch
+from agent_grpo.distributed import (
+    DistContext,
+    distributed_minibatch_update,
+    global_max,
+    global_sum,
+    loss_denominator,
+    shard_rows,
+    unwrap_policy,
+    wrap_policy,
+)
+from agent_grpo.logprobs import token_logprobs
+from agent_grpo.models import load_model
+from agent_grpo.train import minibatch_update
+from agent_grpo.train_config import AlgoConfig
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+LENGTHS = [23, 9, 31, 14, 27, 6]
+GROUPS = [0, 1, 0, 1, 2, 2]
+"""Groups 0 and 2 (rows 0, 2, 4, 5) go to rank 0 of 2, group 1 (rows 1, 3: short) to rank 1."""
+PROMPT = 5
+"""Tokens of the prompt every member of a group shares (never trained on)."""
+
+
+def make_case(model_dir: Path, **algo: Any) -> dict[str, Any]:
+    """A global batch with junk (NaN) off the model tokens, and pi_old / pi_ref near the policy."""
+    g = torch.Generator().manual_seed(0)
+    rows, width = len(LENGTHS), max(LENGTHS)
+    positions = torch.arange(width)[None]  # [1, T]
+    attention = positions < torch.tensor(LENGTHS)[:, None]  # [B, T]
+    ids = torch.randint(3, 49152, (rows, width), generator=g)  # [B, T]
+    prompts = torch.randint(3, 49152, (max(GROUPS) + 1, PROMPT), generator=g)  # [G, P]
+    ids[:, :PROMPT] = prompts[GROUPS]
+    ids = torch.where(attention, ids, 2)  # [B, T]
+    loss_mask = attention & (positions >= PROMPT) & (torch.rand(rows, width, generator=g) < 0.7)
+    advantages = torch.randn(rows, generator=g)  # [B]
+    with torch.no_grad():
+        logprobs = token_logprobs(load_model(model_dir), ids, attention.long())  # [B, T]
+
+    def near(scale: float) -> torch.Tensor:
+        noisy = logprobs + scale * torch.randn(rows, width, generator=g)  # [B, T]
+        return torch.where(loss_mask, noisy, float("nan"))  # [B, T]
+
+    batch = PackedBatch(
+        input_ids=ids,
+        attention_mask=attention.long(),
+        loss_mask=loss_mask,
+        sampler_logprobs=near(0.3),
+        advantages=advantages,
+        group_index=torch.tensor(GROUPS),
+    )
+    # micro_batch_tokens=48 gives rank 0 four micro-batches and rank 1 one; the first step's
+    # grad norm is ~2, so clipping at 1 is active. TIS weights are exp(old - sampler) capped.
+    settings = {"beta": 0.04, "micro_batch_tokens": 48, "max_grad_norm": 1.0, "tis_cap": 1.2}
+    return {
+        "batch": batch,
+        "old": near(0.3),  # ratios exp(+-0.3): some tokens clipped, some not
+        "ref": near(0.3),
+        "algo": AlgoConfig(**(settings | algo)),
+        "temperature": 1.0,
+        "lr": 1.0,
+        "steps": 2,
+    }
+
+
+def reference(case: dict[str, Any], model_dir: Path) -> dict[str, Any]:
+    """`train.minibatch_update` in one process over the whole global batch."""
+    policy = load_model(model_dir)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=case["lr"])
+    history = []
+    for _ in range(case["steps"]):
+        metrics, seen = minibatch_update(
+            policy,
+            optimizer,
+            case["batch"],
+            case["old"],
+            case["ref"],
+            case["algo"],
+            case["temperature"],
+        )
+        history.append({**metrics, "seen": seen})
+    return {"params": policy.state_dict(), "history": history}
+
+
+def assert_same_history(
+    got: list[dict[str, Any]], want: list[dict[str, Any]], batch: PackedBatch, atol: float
+) -> None:
+    """Every step's metrics (all keys) and trainer logprobs `seen` agree on model tokens.
+
+    Elsewhere `seen` is 0 or NaN depending on which micro-batch a row was in: not compared.
+    """
+    trained = batch.loss_mask  # [B, T]
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(
+            g["seen"][trained], w["seen"][trained], rtol=1e-6, atol=atol, equal_nan=True
+        )
+        metrics = {k: v for k, v in g.items() if k != "seen"}
+        expected = {k: v for k, v in w.items() if k != "seen"}
+        assert metrics == pytest.approx(expected, rel=1e-5, abs=atol), step
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference over every parameter (same keys required)."""
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+# ---- single process ----------------------------------------------------------------------------
+
+
+def test_shard_rows_deal_round_robin_and_cover_every_row_once():
+    shards = [shard_rows(7, DistContext(rank=r, world_size=3)) for r in range(3)]
+    assert shards == [[0, 3, 6], [1, 4], [2, 5]]
+    assert shard_rows(2, DistContext(rank=2, world_size=3)) == []
+    assert shard_rows(5, DistContext()) == [0, 1, 2, 3, 4]
+
+
+def test_shard_rows_keep_groups_whole_in_order_of_appearance():
+    groups = torch.tensor([7, 3, 7, 9, 3, 1, 9])  # groups in order: 7, 3, 9, 1
+    shards = [shard_rows(7, DistContext(rank=r, world_size=2), groups) for r in range(2)]
+    assert shards == [[0, 2, 3, 6], [1, 4, 5]]  # rank 0: groups 7, 9; rank 1: groups 3, 1
+
+
+def test_collectives_are_identity_in_one_process():
+    x = torch.tensor([1.5, -2.0])
+    assert torch.equal(global_sum(x, DistContext()), x)
+    assert torch.equal(global_max(x, DistContext()), x)
+
+
+def test_loss_denominator_by_aggregation():
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    batch = PackedBatch(
+        input_ids=torch.zeros(3, 4, dtype=torch.long),
+        attention_mask=torch.ones(3, 4, dtype=torch.long),
+        loss_mask=mask,
+        sampler_logprobs=torch.zeros(3, 4),
+        advantages=torch.zeros(3),
+        group_index=torch.arange(3),
+    )
+    assert loss_denominator(batch, AlgoConfig(aggregation="token-mean"), 9) == 6.0
+    assert loss_denominator(batch, AlgoConfig(aggregation="seq-mean-token-mean"), 9) == 2.0
+    assert loss_denominator(batch, AlgoConfig(aggregation="seq-mean-token-sum-norm"), 9) == 27.0
+
+
+def test_wrap_policy_refuses_modes_that_do_not_fit_the_world(tiny_model):
+    model, _ = tiny_model
+    with pytest.raises(ValueError, match="ddp"):
+        wrap_policy(model, "ddp", DistContext())
+    with pytest.raises(ValueError, match="none"):
+        wrap_policy(model, "none", DistContext(world_size=2))
+    assert unwrap_policy(wrap_policy(model, "none", DistContext())) is model
+
+
+def on_policy_case(model_dir: Path) -> dict[str, Any]:
+    """beta = 0, no reference, pi_old = this forward pass, and one zero-advantage row."""
+    case = make_case(model_dir, beta=0.0)
+    case["batch"].advantages[1] = 0.0  # skipped: its loss is exactly 0 (skip_zero_advantage)
+    return {**case, "old": None, "ref": None}
+
+
+VARIANTS = {
+    "token-mean": lambda d: make_case(d),
+    "seq-mean-token-mean": lambda d: make_case(d, aggregation="seq-mean-token-mean"),
+    "seq-mean-token-sum-norm": lambda d: make_case(d, aggregation="seq-mean-token-sum-norm"),
+    "no-shared-prefix": lambda d: make_case(d, shared_prefix=False),
+    "on-policy": on_policy_case,
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_one_process_update_is_train_minibatch_update(tiny_model_dir, variant):
+    case = VARIANTS[variant](tiny_model_dir)
+    expected = reference(case, tiny_model_dir)
+    model = load_model(tiny_model_dir)
+    policy = wrap_policy(model, "none", DistContext())
+    optimizer = torch.optim.SGD(policy.parameters(), lr=case["lr"])
+    history = []
+    for _ in range(case["steps"]):
+        metrics, seen = distributed_minibatch_update(
+            policy,
+            optimizer,
+            case["batch"],
+            case["old"],
+            case["ref"],
+            case["algo"],
+            case["temperature"],
+            DistContext(),
+        )
+        history.append({**metrics, "seen": seen})
+    assert_same_history(history, expected["history"], case["batch"], atol=1e-7)
+    assert max_param_diff(model.state_dict(), expected["params"]) < 1e-6
+    assert max_param_diff(model.state_dict(), load_model(tiny_model_dir).state_dict()) > 1e-2
+
+
+# ---- two processes ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_torchrun(case: dict[str, Any], model_dir: Path, tmp: Path, modes: list[str]) -> None:
+    """Launch the worker on 2 CPU processes; both talk over 127.0.0.1 only."""
+    torch.save(case, tmp / "case.pt")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1"]
+    launcher += ["--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    launcher += ["--master_port", str(free_port())]
+    args = [str(WORKER), str(tmp / "case.pt"), str(model_dir), str(tmp), *modes]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        launcher + args, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+
+
+MODES = ["ddp", "fsdp", "fsdp_one_row", "naive"]
+
+
+def rank_tokens(batch: PackedBatch) -> list[float]:
+    """Model tokens of each of 2 ranks' shares of `batch`."""
+    rows = batch.input_ids.shape[0]
+    shares = [shard_rows(rows, DistContext(r, 2), batch.group_index) for r in range(2)]
+    return [float(batch.loss_mask[share].sum()) for share in shares]
+
+
+@pytest.fixture(scope="module")
+def two_process_results(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """One torchrun launch for every mode (start-up dominates the cost)."""
+    tmp = tmp_path_factory.mktemp("dist")
+    run_torchrun(make_case(tiny_model_dir), tiny_model_dir, tmp, MODES)
+    return {m: torch.load(tmp / f"{m}.pt", weights_only=False) for m in MODES}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir: Path) -> dict[str, Any]:
+    """The one-process result on the whole case."""
+    return reference(make_case(tiny_model_dir), tiny_model_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_processes_take_the_one_process_step(
+    two_process_results, expected, tiny_model_dir, mode
+):
+    case = make_case(tiny_model_dir)
+    got = two_process_results[mode]
+    assert got["rank_tokens"] == rank_tokens(case["batch"])
+    assert max(got["rank_tokens"]) > 2 * min(got["rank_tokens"])  # uneven on purpose
+    assert got["sharded"] == (mode == "fsdp")
+    assert expected["history"][0]["grad_norm"] > case["algo"].max_grad_norm  # clipping is active
+    assert_same_history(got["history"], expected["history"], case["batch"], atol=1e-6)
+    assert max_param_diff(got["params"], expected["params"]) < 1e-6
+
+
+@pytest.mark.slow
+def test_a_rank_without_rows_still_takes_the_step(two_process_results, tiny_model_dir):
+    case = make_case(tiny_model_dir)
+    single = {
+        **case,
+        "batch": case["batch"].select([0]),
+        **{k: case[k][:1] for k in ("old", "ref")},
+    }
+    want = reference(single, tiny_model_dir)
+    got = two_process_results["fsdp_one_row"]
+    assert got["rank_tokens"][1] == 0.0
+    assert_same_history(got["history"], want["history"], single["batch"], atol=1e-6)
+    assert max_param_diff(got["params"], want["params"]) < 1e-6
+
+
+@pytest.mark.slow
+def test_per_rank_token_mean_takes_a_different_step(two_process_results, expected, tiny_model_dir):
+    """The naive rule (each rank divides by its own tokens, DDP averages) is measurably off."""
+    got = two_process_results["naive"]
+    assert got["rank_tokens"] == rank_tokens(make_case(tiny_model_dir)["batch"])
+    assert max_param_diff(got["params"], expected["params"]) > 1e-2

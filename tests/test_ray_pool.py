@@ -1,0 +1,142 @@
+"""Ray rollout workers give the trajectories one process gives, before and after a weight push.
+
+A local Ray instance (2 CPUs, no dashboard, bound to 127.0.0.1) runs 2 workers with the tiny
+model. 3 tasks split as [0, 1] and [2], so the second worker's group ids must be renumbered.
+A random tiny model never writes a tool call, so `ChatterEnv` (below) answers every turn with a
+tool message for 3 turns: episodes are multi-turn, and the backend's prefix cache is used.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from agent_grpo.env import TextEnv, TurnOutcome
+from agent_grpo.models import build_tiny_model, load_model
+from agent_grpo.rollout.backend import SamplingConfig
+from agent_grpo.rollout.collector import CollectorConfig, RolloutMetrics, Task, collect_groups
+from agent_grpo.rollout.hf_backend import HFBackend
+from agent_grpo.rollout.ray_pool import merge_metrics, split_tasks
+from agent_grpo.trajectory import TrajectoryRecord
+
+
+class ChatterEnv(TextEnv[int]):
+    """Replies to every turn with a tool message until `max_turns` (then truncated)."""
+
+    def generate_task(self, rng: Any) -> int:
+        return int(rng.integers(100))
+
+    def user_prompt(self, task: int) -> str:
+        return f"Tell me about the number {task}."
+
+    def respond(self, action: str) -> TurnOutcome:
+        reply = {"role": "tool", "name": "echo", "content": f"heard {len(action)} characters"}
+        return TurnOutcome(observations=[reply])
+
+
+CHATTER = "test_ray_pool:ChatterEnv"
+TASKS = [
+    Task(env_id=CHATTER, seed=1, env_kwargs={"max_turns": 3}),
+    Task(env_id="agent_grpo/Calculator-v0", seed=12),
+    Task(env_id=CHATTER, seed=3, env_kwargs={"max_turns": 3}),
+]
+COLLECTOR = CollectorConfig(
+    group_size=2,
+    max_context_tokens=512,
+    progress=False,
+    # "e" ends most turns within a few tokens; the rest hit max_tokens and end the episode.
+    sampling=SamplingConfig(temperature=1.0, max_tokens=12, stop=["e"], seed=5),
+)
+
+
+def test_split_tasks_keeps_blocks_contiguous_and_balanced():
+    assert split_tasks(3, 2) == [range(0, 2), range(2, 3)]
+    assert split_tasks(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert split_tasks(1, 4) == [range(0, 1)]
+    assert split_tasks(0, 2) == []
+
+
+def test_merge_metrics_adds_counts_and_takes_the_slowest_time():
+    a = RolloutMetrics(trajectories=2, generated_tokens=10, model_time_s=1.0, turns_mean=1.0)
+    b = RolloutMetrics(trajectories=6, generated_tokens=30, model_time_s=3.0, turns_mean=3.0)
+    merged = merge_metrics([a, b], wall_time_s=4.0)
+    assert (merged.trajectories, merged.generated_tokens) == (8, 40)
+    assert merged.model_time_s == 3.0
+    assert merged.tokens_per_s == 10.0
+    assert merged.turns_mean == pytest.approx((2 * 1 + 6 * 3) / 8)
+
+
+def without_timings(record: TrajectoryRecord) -> dict[str, Any]:
+    """Everything but sampler logprobs (compared with a tolerance) and wall-clock latencies."""
+    data = record.model_dump(exclude={"sampler_logprobs"})
+    for turn in data["turns"]:
+        turn.pop("env_latency_s")
+        for call in turn["tool_calls"]:
+            call.pop("latency_s")
+    return data
+
+
+def assert_same_trajectories(got: list[TrajectoryRecord], want: list[TrajectoryRecord]) -> None:
+    """Same ids, provenance, messages and groups; sampler logprobs within 1e-6."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert without_timings(g) == without_timings(w), w.uid
+        ours = [float("nan") if v is None else v for v in g.sampler_logprobs]
+        theirs = [float("nan") if v is None else v for v in w.sampler_logprobs]
+        torch.testing.assert_close(
+            torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=1e-6, equal_nan=True
+        )
+
+
+def local_records(model: torch.nn.Module, tokenizer: Any, step: int) -> list[TrajectoryRecord]:
+    """The single-process reference: `collect_groups` with an in-process hf backend."""
+    backend = HFBackend(model, tokenizer)
+    return collect_groups(TASKS, backend, tokenizer, COLLECTOR, step=step, run_id="r").records
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Any:
+    """A private local Ray instance on loopback, shut down after this module."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'agent-grpo[ray]')")
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no usage report to the network
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=100 * 2**20,
+        log_to_driver=False,
+        # Workers import this module to build ChatterEnv.
+        runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parent)}},
+    )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_ray_workers_match_local_collection_before_and_after_update(
+    ray_local: Any, tiny_model_dir: Path, tokenizer: Any
+) -> None:
+    from agent_grpo.rollout.ray_pool import RayRolloutPool
+
+    with RayRolloutPool(2, str(tiny_model_dir), collector=COLLECTOR) as pool:
+        before = pool.collect(TASKS, step=3, run_id="r")
+        assert_same_trajectories(
+            before.records, local_records(load_model(tiny_model_dir), tokenizer, 3)
+        )
+        assert [r.group_id for r in before.records] == ["s3-t0"] * 2 + ["s3-t1"] * 2 + ["s3-t2"] * 2
+        assert before.metrics.trajectories == 6
+        assert max(len(r.turns) for r in before.records) == 3  # multi-turn episodes happened
+        assert before.metrics.generated_tokens == sum(r.lengths.model for r in before.records)
+
+        new_model, _ = build_tiny_model(tokenizer, seed=1)
+        pool.update_weights(new_model.state_dict())
+        after = pool.collect(TASKS, step=3, run_id="r")
+        assert_same_trajectories(after.records, local_records(new_model, tokenizer, 3))
+        changed = [
+            a.token_ids != b.token_ids for a, b in zip(after.records, before.records, strict=True)
+        ]
+        assert all(changed)
