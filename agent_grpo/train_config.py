@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from agent_grpo.config import ConfigModel
 from agent_grpo.rewards import RewardSourceConfig
@@ -223,6 +223,16 @@ class TrainConfig(ConfigModel):
     """Held-out evaluation before and after training; None skips it."""
     run: RunConfig = RunConfig()
     """Output location and checkpointing."""
+
+
+    @model_validator(mode="after")
+    def _trainable_backend(self) -> TrainConfig:
+        if isinstance(self.rollout.backend, OpenAIBackendConfig):
+            raise ValueError(
+                "rollout.backend.type=openai cannot receive the trainer's weights after each "
+                "step; train with hf or vllm, and use openai with `agent-grpo eval`"
+            )
+        return self
 
 
 class EvalRunConfig(ConfigModel):

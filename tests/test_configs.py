@@ -54,3 +54,10 @@ def test_every_config_field_has_a_docstring() -> None:
     walk(TrainConfig)
     walk(EvalRunConfig)
     assert len(seen) > 5
+
+
+def test_training_on_a_remote_server_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  backend: {type: openai, base_url: http://x, model: m}\n")
+    with pytest.raises(ConfigError, match="cannot receive the trainer's weights"):
+        load_config(TrainConfig, path)
