@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import hashlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -211,9 +212,24 @@ def _apply_step(ep: _Episode, result: tuple[Any, float, bool, bool, dict[str, An
     ep.builder.add_observations([Message.model_validate(m) for m in obs])
 
 
-def _step_all(stepping: list[_Episode], pool: cf.ThreadPoolExecutor, timeout_s: float) -> None:
+def _in_daemon_thread(fn: Callable[[], Any]) -> cf.Future[Any]:
+    """Run `fn` in a daemon thread: one that hangs is abandoned and never blocks process exit
+    (a ThreadPoolExecutor's workers are joined at exit)."""
+    future: cf.Future[Any] = cf.Future()
+
+    def target() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as error:
+            future.set_exception(error)
+
+    threading.Thread(target=target, name="env-step", daemon=True).start()
+    return future
+
+
+def _step_all(stepping: list[_Episode], timeout_s: float) -> None:
     """Step every episode concurrently; each gets `timeout_s` from the start of the turn."""
-    futures = {pool.submit(_step_env, ep): ep for ep in stepping}
+    futures = {_in_daemon_thread(lambda ep=ep: _step_env(ep)): ep for ep in stepping}
     deadline = time.perf_counter() + timeout_s
     for future, ep in futures.items():
         try:
@@ -278,7 +294,6 @@ def _run_turn(
     backend: GenerationBackend,
     tokenizer: Any,
     config: CollectorConfig,
-    pool: cf.ThreadPoolExecutor,
     step: int,
     turn: int,
     metrics: RolloutMetrics,
@@ -299,7 +314,7 @@ def _run_turn(
         if not _end_turn(ep, gen, cut):
             stepping.append(ep)
     started = time.perf_counter()
-    _step_all(stepping, pool, config.env_step_timeout_s)
+    _step_all(stepping, config.env_step_timeout_s)
     metrics.env_time_s += time.perf_counter() - started
     for ep in stepping:
         if not ep.done and len(ep.builder.token_ids) >= config.max_context_tokens:
@@ -335,18 +350,13 @@ def collect_groups(
         for task in tasks
         for i in range(config.group_size)
     ]
-    # Not a `with` block: leaving one joins every thread, including a hung env step's.
-    pool = cf.ThreadPoolExecutor(max(1, min(32, len(episodes))), thread_name_prefix="env-step")
-    try:
-        with Progress(transient=True, disable=not config.progress) as progress:
-            bar = progress.add_task("rollout", total=len(episodes))
-            turn = 0
-            while active := [ep for ep in episodes if not ep.done]:
-                _run_turn(active, backend, tokenizer, config, pool, step, turn, metrics)
-                turn += 1
-                progress.update(bar, completed=sum(ep.done for ep in episodes))
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    with Progress(transient=True, disable=not config.progress) as progress:
+        bar = progress.add_task("rollout", total=len(episodes))
+        turn = 0
+        while active := [ep for ep in episodes if not ep.done]:
+            _run_turn(active, backend, tokenizer, config, step, turn, metrics)
+            turn += 1
+            progress.update(bar, completed=sum(ep.done for ep in episodes))
     records = []
     for t in range(len(tasks)):
         group_id = f"s{step}-t{t}"
