@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import hashlib
 import threading
 import time
@@ -229,7 +230,7 @@ def _in_daemon_thread(fn: Callable[[], Any]) -> cf.Future[Any]:
 
 def _step_all(stepping: list[_Episode], timeout_s: float) -> None:
     """Step every episode concurrently; each gets `timeout_s` from the start of the turn."""
-    futures = {_in_daemon_thread(lambda ep=ep: _step_env(ep)): ep for ep in stepping}
+    futures = {_in_daemon_thread(functools.partial(_step_env, ep)): ep for ep in stepping}
     deadline = time.perf_counter() + timeout_s
     for future, ep in futures.items():
         try:
