@@ -144,3 +144,25 @@ def test_a_bad_config_key_is_a_clear_error(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "algo.clip_hihg" in done.stderr and "calculator.yaml" in done.stderr
+
+
+def test_replay_inspect_html_and_verify_on_the_trained_run(trained: Path) -> None:
+    run = trained / "full"
+    shown = agent_grpo("replay", str(run), "--step", "1", "--group", "0", "--sample", "1",
+                       "--tokens", cwd=trained)  # fmt: skip
+    assert "reward" in shown.stdout.lower() and "model" in shown.stdout
+    html = trained / "replay.html"
+    agent_grpo("replay", str(run), "--html", str(html), cwd=trained)
+    page = html.read_text()
+    assert page.startswith("<!DOCTYPE html>") or "<html" in page[:200]
+    assert "http://" not in page and "https://" not in page  # self-contained
+    verified = agent_grpo("replay", str(run), "--verify", cwd=trained)
+    lines = [line for line in verified.stdout.splitlines() if line.startswith("verify ")]
+    assert len(lines) == 4 and all(line.endswith(": ok") for line in lines)  # the last step
+    checkpoint = sorted((run / "checkpoints").iterdir())[-1]
+    drift = agent_grpo("replay", str(run), "--step", "1", "--group", "0", "--sample", "0",
+                       "--recompute-logprobs", str(checkpoint), cwd=trained)  # fmt: skip
+    assert "drift" in drift.stdout.lower()
+    inspected = agent_grpo("inspect", str(run), cwd=trained)
+    assert "reward" in inspected.stdout.lower()
+    assert list(run.glob("*.png")), "inspect writes a PNG next to the run"
