@@ -36,46 +36,65 @@ Where we depart from common practice:
   (see `wrap_policy`). DDP keeps it.
 - Whole GRPO groups are dealt round-robin to ranks (so a group's shared prompt is run once, on
   one rank), not balanced by tokens: simple and deterministic.
+- pi_old and pi_ref passes (`distributed_batch_logprobs`) are split the same way; the reference
+  is sharded under FSDP2 and a whole copy per rank under DDP (DDP only wraps modules that train).
+- State moves as whole tensors: `broadcast_module` (rank 0's weights before wrapping),
+  `full_optimizer_state` (all-gathered on every rank, for a one-process-layout checkpoint) and
+  `load_full_optimizer_state` (every rank gets the whole state and keeps its shards). Simple, and
+  checkpoints resume in any mode, but each rank briefly holds the full optimizer state; large
+  models want torch.distributed.checkpoint's sharded format (not built).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from agent_grpo.batch import PackedBatch, micro_batches
-from agent_grpo.grpo import PolicyLossMetrics, policy_loss, truncated_is_weights
-from agent_grpo.logprobs import common_prefix_length, shared_prefix_token_logprobs, token_logprobs
+from agent_grpo.batch import (
+    PackedBatch,
+    loss_denominator,
+    micro_batch_loss,
+    micro_batches,
+    rows_with_loss,
+)
+from agent_grpo.grpo import PolicyLossMetrics
+from agent_grpo.logprobs import micro_batch_logprobs
 from agent_grpo.train_config import AlgoConfig
 
 __all__ = [
     "DistContext",
     "LogprobModel",
     "WrapMode",
+    "broadcast_module",
+    "broadcast_object",
     "clip_grad_norm",
+    "distributed_batch_logprobs",
     "distributed_minibatch_update",
+    "full_optimizer_state",
     "full_state_dict",
     "global_denominator",
     "global_max",
     "global_metrics",
     "global_sum",
     "init_distributed",
-    "loss_denominator",
-    "rows_with_loss",
+    "load_full_optimizer_state",
     "shard_rows",
     "unwrap_policy",
     "wrap_policy",
+    "wrap_reference",
 ]
 
 WrapMode = Literal["none", "ddp", "fsdp"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -102,10 +121,11 @@ class DistContext:
         return self.world_size > 1
 
 
-def init_distributed(backend: str | None = None) -> DistContext:
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> DistContext:
     """Read the `torchrun` variables and join the process group (no-op for a single process).
 
-    `backend` defaults to nccl when CUDA is available and gloo otherwise.
+    `backend` defaults to nccl when CUDA is available and gloo otherwise; `timeout_s` bounds every
+    collective (torch's default: 10 min for nccl, 30 for gloo).
     """
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -116,7 +136,10 @@ def init_distributed(backend: str | None = None) -> DistContext:
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
         chosen = backend or ("nccl" if cuda else "gloo")
-        dist.init_process_group(chosen, device_id=device if chosen == "nccl" else None)
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(
+            chosen, device_id=device if chosen == "nccl" else None, timeout=timeout
+        )
     return DistContext(rank, world_size, local_rank, device)
 
 
@@ -141,6 +164,28 @@ def global_max(x: Tensor, ctx: DistContext) -> Tensor:
     return _all_reduce(x, ctx, dist.ReduceOp.MAX)
 
 
+def broadcast_object(value: T, ctx: DistContext) -> T:
+    """Rank 0's `value` on every rank (pickled; other ranks pass anything, e.g. None)."""
+    if not ctx.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, device=ctx.device)
+    return cast(T, box[0])
+
+
+def broadcast_module(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """Move `model` to `ctx.device` and overwrite its weights with rank 0's, in place.
+
+    FSDP2's `fully_shard` keeps each rank's own values (DDP broadcasts at wrap time), so a model
+    changed on rank 0 alone (warm start, checkpoint) must be broadcast before sharding.
+    """
+    model.to(ctx.device)
+    if ctx.distributed:
+        for tensor in model.state_dict().values():  # views of the parameters and buffers
+            dist.broadcast(tensor, src=0)
+    return model
+
+
 def shard_rows(n_rows: int, ctx: DistContext, group_index: Tensor | None = None) -> list[int]:
     """This rank's rows of a global batch: rows `rank, rank + W, ...`, or with `group_index`
     ([B], a group id per row) every row of groups `rank, rank + W, ...` in order of appearance."""
@@ -151,15 +196,6 @@ def shard_rows(n_rows: int, ctx: DistContext, group_index: Tensor | None = None)
     return [r for r in range(n_rows) if order[ids[r]] % ctx.world_size == ctx.rank]
 
 
-def loss_denominator(batch: PackedBatch, algo: AlgoConfig, max_tokens: int) -> float:
-    """The count the loss is divided by, for `batch` alone; all-reduce it for the global one."""
-    if algo.aggregation == "token-mean":
-        return float(batch.num_model_tokens)
-    if algo.aggregation == "seq-mean-token-mean":
-        return float(batch.loss_mask.any(dim=1).sum())
-    return float(batch.input_ids.shape[0] * max_tokens)
-
-
 def global_denominator(
     batch: PackedBatch, rows: list[int], algo: AlgoConfig, ctx: DistContext
 ) -> tuple[float, int]:
@@ -168,7 +204,7 @@ def global_denominator(
     local = batch.select(rows) if rows else None
     span = int(local.loss_mask.sum(dim=1).max()) if local else 0
     max_tokens = algo.max_tokens or int(global_max(torch.tensor(span), ctx))
-    count = loss_denominator(local, algo, max_tokens) if local else 0.0
+    count = loss_denominator(local, algo.aggregation, max_tokens) if local else 0
     total = float(global_sum(torch.tensor(count, dtype=torch.float64), ctx))
     return max(1.0, total), max_tokens
 
@@ -177,7 +213,7 @@ def global_denominator(
 
 
 class LogprobModel(nn.Module):
-    """A causal LM whose `forward` is `token_logprobs`, so DDP/FSDP hooks wrap every call."""
+    """A causal LM whose `forward` is `micro_batch_logprobs`, so DDP/FSDP hooks wrap every call."""
 
     def __init__(self, lm: nn.Module, allow_shared_prefix: bool = True) -> None:
         super().__init__()
@@ -192,13 +228,15 @@ class LogprobModel(nn.Module):
         temperature: float,
         shared_prefix: bool,
     ) -> Tensor:
-        """Logprobs `[b, t]` of the `target_mask` tokens, 0 elsewhere (as the trainer's); with
-        `shared_prefix`, the rows' common prefix runs once (`shared_prefix_token_logprobs`)."""
-        options: dict[str, Any] = {"temperature": temperature, "target_mask": target_mask}
-        if not (shared_prefix and self.allow_shared_prefix):
-            return token_logprobs(self.lm, input_ids, attention_mask, **options)
-        shared = common_prefix_length(input_ids, attention_mask)
-        return shared_prefix_token_logprobs(self.lm, input_ids, attention_mask, shared, **options)
+        """`micro_batch_logprobs` of the LM: `[b, t]`, 0 off `target_mask`."""
+        return micro_batch_logprobs(
+            self.lm,
+            input_ids,
+            attention_mask,
+            target_mask,
+            temperature=temperature,
+            shared_prefix=shared_prefix and self.allow_shared_prefix,
+        )
 
 
 def _decoder_layers(lm: nn.Module) -> list[nn.Module]:
@@ -216,11 +254,11 @@ def wrap_policy(model: nn.Module, mode: WrapMode, ctx: DistContext) -> nn.Module
     FSDP2 shards `model` in place (its parameters become DTensors); build the optimizer from the
     returned module's parameters after wrapping.
     """
+    if (mode == "none") == ctx.distributed:  # "none" on W ranks would train W separate models
+        raise ValueError(f"mode {mode!r} does not fit world_size {ctx.world_size}")
     # FSDP2 all-gathers a layer at each call; the shared-prefix pass calls every layer twice, but
     # only for micro-batches of 2+ rows, so ranks would issue different collectives and hang.
     wrapped = LogprobModel(model.to(ctx.device), allow_shared_prefix=mode != "fsdp")
-    if (mode == "none") == ctx.distributed:  # "none" on W ranks would train W separate models
-        raise ValueError(f"mode {mode!r} does not fit world_size {ctx.world_size}")
     if mode == "none":
         return wrapped
     if mode == "ddp":
@@ -229,12 +267,24 @@ def wrap_policy(model: nn.Module, mode: WrapMode, ctx: DistContext) -> nn.Module
         return nn.parallel.DistributedDataParallel(
             wrapped, device_ids=ids, forward_sync_buffers=False
         )
+    return _fully_shard(wrapped)
+
+
+def _fully_shard(wrapped: LogprobModel) -> LogprobModel:
+    """FSDP2 over each decoder layer, then the root (embeddings, final norm, tied head)."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in _decoder_layers(model):
+    for layer in _decoder_layers(wrapped.lm):
         fully_shard(layer)
-    fully_shard(wrapped)  # root: embeddings, final norm, (tied) output head
+    fully_shard(wrapped)
     return wrapped
+
+
+def wrap_reference(model: nn.Module, mode: WrapMode, ctx: DistContext) -> nn.Module:
+    """A frozen `LogprobModel(model)` for `distributed_batch_logprobs`: sharded like the policy
+    under FSDP2, a whole copy per rank otherwise (DDP only wraps modules that train)."""
+    wrapped = LogprobModel(model.requires_grad_(False).to(ctx.device), mode != "fsdp")
+    return _fully_shard(wrapped) if mode == "fsdp" else wrapped
 
 
 def unwrap_policy(policy: nn.Module) -> nn.Module:
@@ -244,13 +294,53 @@ def unwrap_policy(policy: nn.Module) -> nn.Module:
 
 
 def full_state_dict(policy: nn.Module) -> dict[str, Tensor]:
-    """Unsharded CPU state dict of the LM (every rank must call it under FSDP2)."""
+    """Unsharded CPU state dict of the LM on rank 0, `{}` on the other ranks (every rank must
+    call it under FSDP2: it all-gathers the shards)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     lm = unwrap_policy(policy)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(lm, options=options)
     return {k: cast(Tensor, v).detach().cpu() for k, v in state.items()}
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`optimizer.state_dict()` with FSDP2 shards gathered: the one-process layout, on every
+    rank (every rank must call it). Parameters are numbered as in the one-process optimizer,
+    because `wrap_policy` keeps the LM's parameter order."""
+    state = optimizer.state_dict()
+    return {
+        "state": {i: {k: _full(v) for k, v in s.items()} for i, s in state["state"].items()},
+        "param_groups": state["param_groups"],
+    }
+
+
+def _full(value: Any) -> Any:
+    full = getattr(value, "full_tensor", None)  # a DTensor shard: all-gather it
+    value = full() if full is not None else value
+    return value.detach().cpu() if isinstance(value, Tensor) else value
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a `full_optimizer_state` (the same on every rank), keeping this rank's shard of
+    each tensor shaped like an FSDP2 (DTensor) parameter."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def local(value: Any, param: Tensor) -> Any:
+        if not (isinstance(param, DTensor) and isinstance(value, Tensor)):
+            return value
+        if value.shape != param.shape:  # AdamW's scalar `step`
+            return value
+        # every rank holds the full value, so each cuts its own shard: no communication
+        mesh, placements = param.device_mesh, param.placements
+        return distribute_tensor(value.to(param.device), mesh, placements, src_data_rank=None)
+
+    by_index = {
+        i: {k: local(v, params[int(i)]) for k, v in s.items()} for i, s in state["state"].items()
+    }
+    optimizer.load_state_dict({"state": by_index, "param_groups": state["param_groups"]})
 
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> Tensor:
@@ -269,17 +359,6 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> Tenso
 def _to_device(batch: PackedBatch, device: torch.device) -> PackedBatch:
     fields = dataclasses.fields(batch)
     return PackedBatch(**{f.name: getattr(batch, f.name).to(device) for f in fields})
-
-
-def rows_with_loss(
-    batch: PackedBatch, rows: list[int], algo: AlgoConfig, has_ref: bool
-) -> list[int]:
-    """The `rows` whose loss can be non-zero (as `train.rows_to_compute`): rows with model
-    tokens, and with beta = 0 and `skip_zero_advantage` only those with a non-zero advantage."""
-    keep = batch.loss_mask.any(dim=1)  # [B]
-    if not has_ref and algo.skip_zero_advantage:
-        keep &= batch.advantages != 0
-    return [r for r in rows if keep[r]]
 
 
 def _local_micro_batches(
@@ -327,26 +406,8 @@ def _micro_batch_loss(
     logprobs = policy(
         part.input_ids, part.attention_mask, targets, temperature, algo.shared_prefix
     )  # [b, t]
-    part_old = logprobs.detach() if old is None else old  # [b, t]; None: on-policy, ratio 1
-    is_weights = (
-        None
-        if algo.tis_cap is None
-        else truncated_is_weights(part_old, part.sampler_logprobs, mask, algo.tis_cap)
-    )  # [b, t]
-    loss, metrics = policy_loss(
-        logprobs,
-        part_old,
-        part.advantages,
-        mask,
-        ref_logprobs=ref,
-        clip_low=algo.clip_low,
-        clip_high=algo.clip_high,
-        beta=algo.beta,
-        kl=algo.kl,
-        aggregation=algo.aggregation,
-        max_tokens=scale[0],
-        is_weights=is_weights,
-        denominator=scale[1],
+    loss, metrics = micro_batch_loss(
+        logprobs, part, old, ref, algo, loss_mask=mask, max_tokens=scale[0], denominator=scale[1]
     )
     return logprobs, loss, metrics
 
@@ -398,8 +459,9 @@ def distributed_minibatch_update(
     """
     rows = shard_rows(batch.input_ids.shape[0], ctx, batch.group_index)
     denominator, max_tokens = global_denominator(batch, rows, algo, ctx)
+    skip = algo.skip_zero_advantage and ref is None
     micro = _local_micro_batches(
-        batch, rows_with_loss(batch, rows, algo, ref is not None), algo, ctx
+        batch, rows_with_loss(batch, skip_zero_advantage=skip, rows=rows), algo, ctx
     )
     seen = torch.zeros(batch.input_ids.shape)  # [B, T]
     written = torch.zeros(batch.input_ids.shape)  # [B, T]
@@ -431,3 +493,27 @@ def distributed_minibatch_update(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return merged, _gather_rows(seen, written, ctx)
+
+
+@torch.no_grad()
+def distributed_batch_logprobs(
+    model: nn.Module, batch: PackedBatch, temperature: float, algo: AlgoConfig, ctx: DistContext
+) -> Tensor:
+    """`train.batch_logprobs` split over ranks: each scores its groups' rows with a
+    `wrap_policy` or `wrap_reference` module, every rank gets all rows `[B, T]` (NaN on rows
+    without model tokens)."""
+    rows = shard_rows(batch.input_ids.shape[0], ctx, batch.group_index)
+    micro = _local_micro_batches(
+        batch, rows_with_loss(batch, skip_zero_advantage=False, rows=rows), algo, ctx
+    )
+    values = torch.zeros(batch.input_ids.shape)  # [B, T]
+    written = torch.zeros(batch.input_ids.shape)  # [B, T]
+    for group, real in micro:
+        part = _to_device(batch.select(group), ctx.device)
+        width = part.input_ids.shape[1]
+        logprobs = model(
+            part.input_ids, part.attention_mask, part.loss_mask, temperature, algo.shared_prefix
+        )  # [b, t]
+        values[group, :width] += logprobs.float().cpu() * real
+        written[group, :width] += real
+    return _gather_rows(values, written, ctx)

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "common_prefix_length",
+    "micro_batch_logprobs",
     "position_ids_from_mask",
     "reference_token_logprobs",
     "shared_prefix_token_logprobs",
@@ -203,6 +204,27 @@ def common_prefix_length(input_ids: Tensor, attention_mask: Tensor) -> int:
     limit = int(lengths.min())
     differs = (~same[:limit]).nonzero()
     return int(differs[0]) if differs.numel() else limit
+
+
+def micro_batch_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    target_mask: Tensor,
+    *,
+    temperature: float,
+    shared_prefix: bool,
+) -> Tensor:
+    """The trainer's logprobs `[b, t]` of the `target_mask` tokens (0 elsewhere); with
+    `shared_prefix`, the rows' common prefix runs once (`shared_prefix_token_logprobs`)."""
+    if not shared_prefix:
+        return token_logprobs(
+            model, input_ids, attention_mask, temperature=temperature, target_mask=target_mask
+        )
+    shared = common_prefix_length(input_ids, attention_mask)
+    return shared_prefix_token_logprobs(
+        model, input_ids, attention_mask, shared, temperature=temperature, target_mask=target_mask
+    )
 
 
 def reference_token_logprobs(

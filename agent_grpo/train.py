@@ -14,33 +14,57 @@ Where we depart from the papers, and why:
   logged every step and can be corrected with truncated importance sampling (`algo.tis_cap`).
 - Warm start: a supervised pass on the environment's expert trajectories precedes GRPO, because a
   135M model never calls a tool unaided and GRPO cannot learn from all-zero groups.
+- Under torchrun (`distributed.mode` ddp or fsdp) rank 0 alone samples, rewards, evaluates and
+  writes the run directory; every rank receives its records and trains on its share of the
+  groups, and the step equals the one-process step (agent_grpo/distributed.py). verl and OpenRLHF
+  sample on every rank; one sampler keeps rollouts identical to a one-process run.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import os
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from agent_grpo.batch import PackedBatch, micro_batches, pack_records
+from agent_grpo.batch import (
+    PackedBatch,
+    loss_denominator,
+    micro_batch_loss,
+    micro_batches,
+    pack_records,
+    rows_with_loss,
+)
 from agent_grpo.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-from agent_grpo.config import dump_config
+from agent_grpo.config import ConfigError, dump_config
+from agent_grpo.distributed import (
+    DistContext,
+    WrapMode,
+    broadcast_module,
+    broadcast_object,
+    distributed_batch_logprobs,
+    distributed_minibatch_update,
+    full_optimizer_state,
+    full_state_dict,
+    init_distributed,
+    load_full_optimizer_state,
+    wrap_policy,
+    wrap_reference,
+)
 from agent_grpo.env import heldout_seeds, train_seeds
 from agent_grpo.evaluate import EvalResult, evaluate
-from agent_grpo.grpo import group_advantages, policy_loss, truncated_is_weights
-from agent_grpo.logprobs import (
-    common_prefix_length,
-    shared_prefix_token_logprobs,
-    token_logprobs,
-)
+from agent_grpo.grpo import group_advantages
+from agent_grpo.logprobs import micro_batch_logprobs
 from agent_grpo.logs import get_logger
 from agent_grpo.models import load_model, load_tokenizer, resolve_model_path
 from agent_grpo.registry import make_env
@@ -126,31 +150,29 @@ def top_up_live_groups(
     return RolloutResult(records=records, metrics=result.metrics)
 
 
-def part_logprobs(
-    model: torch.nn.Module, part: PackedBatch, temperature: float, shared_prefix: bool
-) -> torch.Tensor:
-    """Logprobs [b, t] of a micro-batch's model tokens (0 elsewhere); one prompt pass per group."""
-    if shared_prefix:
-        shared = common_prefix_length(part.input_ids, part.attention_mask)
-        return shared_prefix_token_logprobs(
-            model, part.input_ids, part.attention_mask, shared,
-            temperature=temperature, target_mask=part.loss_mask,
-        )  # fmt: skip
-    return token_logprobs(
-        model, part.input_ids, part.attention_mask, temperature=temperature,
-        target_mask=part.loss_mask,
-    )  # fmt: skip
-
-
 @torch.no_grad()
 def batch_logprobs(
-    model: torch.nn.Module, batch: PackedBatch, temperature: float, algo: AlgoConfig
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    temperature: float,
+    algo: AlgoConfig,
+    ctx: DistContext | None = None,
 ) -> torch.Tensor:
-    """Per-token logprobs of a whole batch, micro-batch by micro-batch (no grad)."""
+    """Per-token logprobs [B, T] of a whole batch, micro-batch by micro-batch (no grad); under
+    torchrun (`ctx`) each rank scores its groups and every rank gets all rows."""
+    if ctx is not None and ctx.distributed:
+        return distributed_batch_logprobs(model, batch, temperature, algo, ctx)
     out = torch.full(batch.input_ids.shape, float("nan"))  # [B, T]
     for rows in micro_batches(batch, algo.micro_batch_tokens, by_group=algo.shared_prefix):
         part = batch.select(rows)
-        values = part_logprobs(model, part, temperature, algo.shared_prefix)  # [b, t]
+        values = micro_batch_logprobs(
+            model,
+            part.input_ids,
+            part.attention_mask,
+            part.loss_mask,
+            temperature=temperature,
+            shared_prefix=algo.shared_prefix,
+        )  # [b, t]
         out[rows, : values.shape[1]] = values.float()
     return out
 
@@ -163,15 +185,6 @@ def advantages_of(records: Sequence[TrajectoryRecord], algo: AlgoConfig) -> torc
     rewards = torch.tensor([r.reward for r in records], dtype=torch.float32)  # [B]
     groups = [r.group_id for r in records]
     return group_advantages(rewards, groups, scale=algo.scale, leave_one_out=algo.leave_one_out)
-
-
-def loss_denominator(batch: PackedBatch, algo: AlgoConfig, max_tokens: int) -> int:
-    """The whole minibatch's normaliser, so micro-batch losses add up to the minibatch loss."""
-    if algo.aggregation == "token-mean":
-        return max(1, batch.num_model_tokens)
-    if algo.aggregation == "seq-mean-token-mean":
-        return max(1, int(batch.loss_mask.any(dim=1).sum()))
-    return batch.input_ids.shape[0] * max_tokens
 
 
 def merge_metrics(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
@@ -191,18 +204,6 @@ def merge_metrics(parts: list[tuple[float, dict[str, float]]]) -> dict[str, floa
     return merged
 
 
-def rows_to_compute(batch: PackedBatch, algo: AlgoConfig, ref: torch.Tensor | None) -> list[int]:
-    """Rows whose loss can be non-zero: with beta = 0, a zero-advantage row adds exactly 0.
-
-    Their tokens still count in the token-mean denominator (unless dead groups are dropped), so
-    skipping their forward pass changes neither the loss nor the gradient, only the cost.
-    """
-    has_tokens = batch.loss_mask.any(dim=1)  # [B]
-    if ref is None and algo.skip_zero_advantage:
-        has_tokens &= batch.advantages != 0
-    return has_tokens.nonzero().squeeze(-1).tolist()
-
-
 def minibatch_update(
     policy: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -218,38 +219,36 @@ def minibatch_update(
     a separate no-grad pass. Returns the metrics and the trainer's logprobs [B, T] (detached).
     """
     max_tokens = algo.max_tokens or int(batch.loss_mask.sum(dim=1).max())
-    denominator = loss_denominator(batch, algo, max_tokens)
+    denominator = max(1, loss_denominator(batch, algo.aggregation, max_tokens))
+    # with beta = 0 (no ref), a zero-advantage row adds exactly 0: its forward pass is skipped
+    skip = algo.skip_zero_advantage and ref is None
     seen = torch.full(batch.input_ids.shape, float("nan"))  # [B, T]
     parts: list[tuple[float, dict[str, float]]] = []
     for rows in micro_batches(
         batch,
         algo.micro_batch_tokens,
         by_group=algo.shared_prefix,
-        rows=rows_to_compute(batch, algo, ref),
+        rows=rows_with_loss(batch, skip_zero_advantage=skip),
     ):
         part = batch.select(rows)
         width = part.input_ids.shape[1]
-        logprobs = part_logprobs(policy, part, temperature, algo.shared_prefix)  # [b, t]
-        seen[rows, :width] = logprobs.detach()
-        part_old = logprobs.detach() if old is None else old[rows, :width]  # [b, t]
-        is_weights = (
-            None
-            if algo.tis_cap is None
-            else truncated_is_weights(part_old, part.sampler_logprobs, part.loss_mask, algo.tis_cap)
-        )  # [b, t]
-        loss, metrics = policy_loss(
-            logprobs,
-            part_old,
-            part.advantages,
+        logprobs = micro_batch_logprobs(
+            policy,
+            part.input_ids,
+            part.attention_mask,
             part.loss_mask,
-            ref_logprobs=None if ref is None else ref[rows, :width],
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
-            beta=algo.beta,
-            kl=algo.kl,
-            aggregation=algo.aggregation,
+            temperature=temperature,
+            shared_prefix=algo.shared_prefix,
+        )  # [b, t]
+        seen[rows, :width] = logprobs.detach()
+        loss, metrics = micro_batch_loss(
+            logprobs,
+            part,
+            None if old is None else old[rows, :width],
+            None if ref is None else ref[rows, :width],
+            algo,
+            loss_mask=part.loss_mask,
             max_tokens=max_tokens,
-            is_weights=is_weights,
             denominator=denominator,
         )
         loss.backward()
@@ -274,10 +273,12 @@ def grpo_update(
     algo: AlgoConfig,
     temperature: float,
     seed: int,
+    ctx: DistContext | None = None,
 ) -> tuple[dict[str, float], torch.Tensor]:
     """`epochs` passes of `minibatches` optimizer steps over the step's batch.
 
-    Returns the mean metrics and the logprobs of the first pass (= pi_old when on-policy).
+    Returns the mean metrics and the logprobs of the first pass (= pi_old when on-policy). Under
+    torchrun (`ctx`) every rank passes the same batch and each trains on its groups.
     """
     policy.train()
     generator = torch.Generator().manual_seed(seed)
@@ -290,15 +291,16 @@ def grpo_update(
             index = chunk.tolist()
             part = batch.select(index)
             width = part.input_ids.shape[1]
-            metrics, seen = minibatch_update(
-                policy,
-                optimizer,
-                part,
-                None if old is None else old[index, :width],
-                None if ref is None else ref[index, :width],
-                algo,
-                temperature,
-            )
+            part_old = None if old is None else old[index, :width]  # [b, t]
+            part_ref = None if ref is None else ref[index, :width]  # [b, t]
+            if ctx is not None and ctx.distributed:
+                metrics, seen = distributed_minibatch_update(
+                    policy, optimizer, part, part_old, part_ref, algo, temperature, ctx
+                )
+            else:
+                metrics, seen = minibatch_update(
+                    policy, optimizer, part, part_old, part_ref, algo, temperature
+                )
             history.append(metrics)
             if epoch == 0:
                 first_pass[index, :width] = seen
@@ -306,28 +308,49 @@ def grpo_update(
     return {key: sum(h[key] for h in history) / len(history) for key in history[0]}, first_pass
 
 
+@dataclass
+class Trainer:
+    """The models and engine of a run, as one process holds them."""
+
+    policy: torch.nn.Module
+    """The model being trained; under torchrun a `wrap_policy` module."""
+    reference: torch.nn.Module | None
+    """pi_ref when `algo.beta > 0` (under torchrun a `wrap_reference` module)."""
+    optimizer: torch.optim.Optimizer
+    """AdamW over the policy's parameters (FSDP2: this rank's shards)."""
+    tokenizer: Any
+    """The policy's tokenizer."""
+    stop: list[str]
+    """Stop strings of the environment's tool-call format."""
+    backend: GenerationBackend | None
+    """The generation engine; rank 0 only."""
+    sampler: torch.nn.Module | None
+    """Rank 0's plain model, which the backend samples from and checkpoints save (see
+    `sampler_model`); None on other ranks."""
+    ctx: DistContext = field(default_factory=DistContext)
+    """Where this process sits; one process by default."""
+    mode: WrapMode = "none"
+    """`distributed.mode`: how the policy is split over ranks."""
+
+
 def train_step(
-    config: TrainConfig,
-    policy: torch.nn.Module,
-    reference: torch.nn.Module | None,
-    optimizer: torch.optim.Optimizer,
-    backend: GenerationBackend,
-    tokenizer: Any,
-    stop: list[str],
-    step: int,
+    config: TrainConfig, trainer: Trainer, step: int
 ) -> tuple[dict[str, float], list[TrajectoryRecord]]:
     """One GRPO step; returns its metrics and its (annotated) trajectory records."""
-    algo, started = config.algo, time.perf_counter()
-    # 1. rollout: G trajectories per task, every group batched together
-    rollout = collect(config, backend, tokenizer, stop, step)
+    algo, ctx, started = config.algo, trainer.ctx, time.perf_counter()
+    rollout = None
+    if trainer.backend is not None:  # rank 0, the one process with an engine
+        # 1. rollout: G trajectories per task, every group batched together
+        rollout = collect(config, trainer.backend, trainer.tokenizer, trainer.stop, step)
+        # 2. reward: verifier plus any configured sources, every component recorded
+        apply_rewards(rollout.records, [(c, build_reward_fn(c)) for c in config.rewards])
+    rollout = share_rollout(rollout, ctx)  # under torchrun every rank packs the same batch
     records = rollout.records
-    # 2. reward: verifier plus any configured sources, every component recorded
-    apply_rewards(records, [(c, build_reward_fn(c)) for c in config.rewards])
     # 3. advantage: within each group only
     advantages = advantages_of(records, algo)  # [B]
     for record, a in zip(records, advantages.tolist(), strict=True):
         record.advantage = a
-    batch = pack_records(records, tokenizer.pad_token_id, advantages.tolist())
+    batch = pack_records(records, trainer.tokenizer.pad_token_id, advantages.tolist())
     if algo.drop_dead_groups:
         dead = torch.tensor(dead_group_mask(records))  # [B]
         batch.loss_mask &= ~dead[:, None]
@@ -339,16 +362,19 @@ def train_step(
     if algo.old_logprobs == "sampler":
         old = batch.sampler_logprobs
     elif not on_policy:
-        old = batch_logprobs(policy, batch, temperature, algo)  # [B, T]
+        old = batch_logprobs(trainer.policy, batch, temperature, algo, ctx)  # [B, T]
     ref = (
-        None if reference is None else batch_logprobs(reference, batch, temperature, algo)
+        None
+        if trainer.reference is None
+        else batch_logprobs(trainer.reference, batch, temperature, algo, ctx)
     )  # [B, T]
     # 5. loss and optimizer steps, then the engine gets the new weights
     update, first_pass = grpo_update(
-        policy, optimizer, batch, old, ref, algo, temperature, seed=config.seed * 100_003 + step
-    )
+        trainer.policy, trainer.optimizer, batch, old, ref, algo, temperature,
+        seed=config.seed * 100_003 + step, ctx=ctx,
+    )  # fmt: skip
     trainer_old = first_pass if old is None or algo.old_logprobs == "sampler" else old
-    backend.update_weights(policy)
+    push_weights(trainer)
     _annotate(records, trainer_old, ref, batch)
     metrics = {
         "step": float(step),
@@ -478,65 +504,109 @@ def print_summary(state: TrainerState, after: EvalResult | None) -> None:
 
 
 def train(config: TrainConfig, *, resume: bool = False) -> Path:
-    """Run the whole job described by `config`; returns the run directory."""
+    """Run the whole job described by `config`; returns the run directory.
+
+    Under torchrun every rank runs this: rank 0 alone samples, evaluates and writes the run
+    directory, and every rank takes part in each update.
+    """
+    ctx = start_distributed(config)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
-    run_path = Path(config.run.root) / config.run.name
-    run = (
-        RunDir.open(run_path)
-        if resume
-        else RunDir.create(config.run.root, run_id=config.run.name, config_text=dump_config(config))
-    )
-    checkpoint = run.latest_checkpoint() if resume else None
-    model_path = (
-        str(checkpoint / "model") if checkpoint else resolve_model_path(config.model.name_or_path)
-    )
+    run = open_run(config, resume) if ctx.is_main else None
+    checkpoint = broadcast_object(run.latest_checkpoint() if run and resume else None, ctx)
+    model_path = model_source(config, checkpoint, ctx)
     tokenizer = load_tokenizer(model_path)
     policy = load_model(model_path, dtype=getattr(torch, config.model.dtype)).eval()
+    sampler = sampler_model(policy, config, ctx)
+    backend = (
+        None
+        if sampler is None
+        else build_backend(config.rollout.backend, sampler, tokenizer, model_path)
+    )
+    stop = env_stop_strings(config)
+    state = TrainerState(step=0)
+    if checkpoint is None and backend is not None:
+        state = evaluate_and_warm_start(config, policy, backend, tokenizer, stop)
+    reference = make_reference(run, policy, config, resume)
+    policy, reference = share_models(policy, reference, config, ctx)
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=config.algo.lr, weight_decay=config.algo.weight_decay
     )
-    backend = build_backend(config.rollout.backend, policy, tokenizer, model_path)
-    stop = env_stop_strings(config)
+    trainer = Trainer(
+        policy=policy, reference=reference, optimizer=optimizer, tokenizer=tokenizer, stop=stop,
+        backend=backend, sampler=sampler, ctx=ctx, mode=config.distributed.mode,
+    )  # fmt: skip
     if checkpoint is not None:
-        state = load_checkpoint(checkpoint, optimizer)
-        log.info("resumed from %s at step %d", checkpoint, state.step)
-    else:
-        state = TrainerState(step=0)
-        before = run_eval(config, backend, tokenizer, stop, "base")
-        state.eval_before = None if before is None else before.model_dump()
-        if config.warm_start is not None:
-            losses = warm_start(config, policy, tokenizer)
-            log.info("warm start: %d steps, nll %.3f -> %.3f", len(losses), losses[0], losses[-1])
-            backend.update_weights(policy)
-            after_ws = run_eval(config, backend, tokenizer, stop, "warm start")
-            state.eval_warm_start = None if after_ws is None else after_ws.model_dump()
-    reference = copy.deepcopy(policy).requires_grad_(False) if config.algo.beta > 0 else None
-    # ^ the reference is the policy GRPO starts from (after the warm start). On resume it would
-    #   be the checkpoint's weights, so runs with beta > 0 keep it in the run directory.
-    if reference is not None:
-        reference = _persist_reference(run, reference, resume, config)
+        state = restore(checkpoint, trainer)
+        if run is not None:
+            log.info("resumed from %s at step %d", checkpoint, state.step)
     for step in range(state.step, config.steps):
-        metrics, records = train_step(
-            config, policy, reference, optimizer, backend, tokenizer, stop, step
-        )
-        run.write_metrics(step, metrics)
-        if config.run.log_trajectories:
-            run.write_trajectories(step, records)
-        log.info(
-            "step %d: reward %.3f success %.3f kl %.4f clip %.3f tok/s %.0f (%.0fs)",
-            step,
-            metrics["reward_mean"],
-            metrics["success_rate"],
-            metrics.get("kl_ref_mean", 0.0),
-            metrics.get("clip_fraction", 0.0),
-            metrics["rollout_tokens_per_s"],
-            metrics["step_time_s"],
-        )
+        metrics, records = train_step(config, trainer, step)
+        if run is not None:
+            record_step(run, config, step, metrics, records)
         state.step = step + 1
         every = config.run.checkpoint_every
         if state.step == config.steps or (every and state.step % every == 0):
-            save_checkpoint(run.checkpoint_dir(state.step), policy, tokenizer, optimizer, state)
+            save(run, trainer, state)
+    if run is not None and backend is not None:
+        final_eval(config, run, backend, tokenizer, stop, state)
+    if ctx.distributed:
+        dist.destroy_process_group()
+    return Path(config.run.root) / config.run.name
+
+
+def evaluate_and_warm_start(
+    config: TrainConfig,
+    policy: torch.nn.Module,
+    backend: GenerationBackend,
+    tokenizer: Any,
+    stop: list[str],
+) -> TrainerState:
+    """A fresh run's start (rank 0): base eval, then the warm start and its eval."""
+    state = TrainerState(step=0)
+    before = run_eval(config, backend, tokenizer, stop, "base")
+    state.eval_before = None if before is None else before.model_dump()
+    if config.warm_start is not None:
+        losses = warm_start(config, policy, tokenizer)
+        log.info("warm start: %d steps, nll %.3f -> %.3f", len(losses), losses[0], losses[-1])
+        backend.update_weights(policy)
+        after_ws = run_eval(config, backend, tokenizer, stop, "warm start")
+        state.eval_warm_start = None if after_ws is None else after_ws.model_dump()
+    return state
+
+
+def record_step(
+    run: RunDir,
+    config: TrainConfig,
+    step: int,
+    metrics: dict[str, float],
+    records: list[TrajectoryRecord],
+) -> None:
+    """Write a step's metrics and trajectories, and log its headline numbers."""
+    run.write_metrics(step, metrics)
+    if config.run.log_trajectories:
+        run.write_trajectories(step, records)
+    log.info(
+        "step %d: reward %.3f success %.3f kl %.4f clip %.3f tok/s %.0f (%.0fs)",
+        step,
+        metrics["reward_mean"],
+        metrics["success_rate"],
+        metrics.get("kl_ref_mean", 0.0),
+        metrics.get("clip_fraction", 0.0),
+        metrics["rollout_tokens_per_s"],
+        metrics["step_time_s"],
+    )
+
+
+def final_eval(
+    config: TrainConfig,
+    run: RunDir,
+    backend: GenerationBackend,
+    tokenizer: Any,
+    stop: list[str],
+    state: TrainerState,
+) -> None:
+    """Evaluate the trained policy, record it, print the before/after table, close the engine."""
     after = run_eval(config, backend, tokenizer, stop, "final")
     if after is not None:
         run.write_metrics(
@@ -544,7 +614,149 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
         )
     print_summary(state, after)
     backend.close()
-    return run.path
+
+
+# ---- plumbing: one process, or every rank of a torchrun job -------------------------------------
+
+
+def start_distributed(config: TrainConfig) -> DistContext:
+    """Join the torchrun job that `distributed.mode` asks for; refuse a launch that does not fit."""
+    mode, world = config.distributed.mode, int(os.environ.get("WORLD_SIZE", "1"))
+    if mode == "none" and world > 1:
+        raise ConfigError(
+            f"distributed.mode=none under torchrun with {world} processes would train {world} "
+            "separate models; set distributed.mode=ddp or fsdp"
+        )
+    if mode != "none" and world < 2:
+        raise ConfigError(
+            f"distributed.mode={mode} needs 2+ processes (WORLD_SIZE={world}): launch with "
+            "`torchrun --nproc_per_node N -m agent_grpo.cli train ...` or set mode=none"
+        )
+    if mode == "none":
+        return DistContext()
+    return init_distributed(timeout_s=config.distributed.timeout_s)
+
+
+def open_run(config: TrainConfig, resume: bool) -> RunDir:
+    """The run directory: the existing one when resuming, else a new one with the config."""
+    if resume:
+        return RunDir.open(Path(config.run.root) / config.run.name)
+    return RunDir.create(config.run.root, run_id=config.run.name, config_text=dump_config(config))
+
+
+def model_source(config: TrainConfig, checkpoint: Path | None, ctx: DistContext) -> str:
+    """Where this rank loads the policy from: rank 0 resumes from the checkpoint; the other
+    ranks load the base model, and `share_models` gives them rank 0's weights."""
+    if checkpoint is not None and ctx.is_main:
+        return str(checkpoint / "model")
+    return resolve_model_path(config.model.name_or_path)
+
+
+def sampler_model(
+    policy: torch.nn.Module, config: TrainConfig, ctx: DistContext
+) -> torch.nn.Module | None:
+    """What rank 0 samples from (None on other ranks): the policy itself, except under FSDP2,
+    whose shards only run with every rank taking part; then a full copy on rank 0's device,
+    refreshed after every step (`push_weights`)."""
+    if not ctx.is_main:
+        return None
+    if config.distributed.mode == "fsdp":
+        return copy.deepcopy(policy).to(ctx.device)
+    return policy
+
+
+def make_reference(
+    run: RunDir | None, policy: torch.nn.Module, config: TrainConfig, resume: bool
+) -> torch.nn.Module | None:
+    """pi_ref when beta > 0: the policy GRPO starts from (after the warm start).
+
+    On resume that is no longer the policy, so rank 0 keeps it in the run directory.
+    """
+    if config.algo.beta <= 0:
+        return None
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    return reference if run is None else _persist_reference(run, reference, resume, config)
+
+
+def share_models(
+    policy: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    config: TrainConfig,
+    ctx: DistContext,
+) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """Under torchrun: rank 0's weights on every rank, then wrapped for DDP or FSDP2."""
+    if not ctx.distributed:
+        return policy, reference
+    mode = config.distributed.mode
+    policy = wrap_policy(broadcast_module(policy, ctx), mode, ctx)
+    if reference is not None:
+        reference = wrap_reference(broadcast_module(reference, ctx), mode, ctx)
+    return policy, reference
+
+
+def share_rollout(rollout: RolloutResult | None, ctx: DistContext) -> RolloutResult:
+    """Rank 0's rollout on every rank (itself in one process)."""
+    shared = broadcast_object(rollout, ctx)
+    if shared is None:
+        raise RuntimeError("rank 0 sent no rollout")
+    return shared
+
+
+def push_weights(trainer: Trainer) -> None:
+    """Give rank 0's engine the new weights; under FSDP2 every rank first helps gather them."""
+    if trainer.mode == "fsdp":
+        state = full_state_dict(trainer.policy)  # the full weights on rank 0, {} elsewhere
+        if trainer.sampler is not None:
+            trainer.sampler.load_state_dict(state)
+    if trainer.backend is not None and trainer.sampler is not None:
+        trainer.backend.update_weights(trainer.sampler)
+
+
+class FullOptimizerState:
+    """Stands in for the optimizer in `save_checkpoint` and `load_checkpoint` under torchrun:
+    they call `state_dict()` / `load_state_dict()`, and this holds the full (gathered) state."""
+
+    def __init__(self, state: dict[str, Any] | None = None) -> None:
+        self.state = state or {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The held state."""
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Hold `state`."""
+        self.state = state
+
+
+def save(run: RunDir | None, trainer: Trainer, state: TrainerState) -> None:
+    """Rank 0 writes a checkpoint; under torchrun every rank first helps gather the optimizer.
+
+    The layout is the one-process one, so either kind of run resumes the other's checkpoints.
+    """
+    optimizer = trainer.optimizer
+    if trainer.ctx.distributed:
+        full = FullOptimizerState(full_optimizer_state(trainer.optimizer))
+        optimizer = cast(torch.optim.Optimizer, full)
+    if run is not None and trainer.sampler is not None:
+        path = run.checkpoint_dir(state.step)
+        save_checkpoint(path, trainer.sampler, trainer.tokenizer, optimizer, state)
+
+
+def restore(checkpoint: Path, trainer: Trainer) -> TrainerState:
+    """A checkpoint's optimizer, RNG and trainer state; under torchrun rank 0 reads it and sends
+    the state and the whole optimizer state to every rank (each keeps its shards)."""
+    if not trainer.ctx.distributed:
+        return load_checkpoint(checkpoint, trainer.optimizer)
+    holder = FullOptimizerState()
+    state = (
+        load_checkpoint(checkpoint, cast(torch.optim.Optimizer, holder))
+        if trainer.ctx.is_main
+        else None
+    )
+    state, full = broadcast_object((state, holder.state), trainer.ctx)
+    load_full_optimizer_state(trainer.optimizer, full)
+    assert state is not None
+    return state
 
 
 def _persist_reference(

@@ -17,6 +17,7 @@ from agent_grpo.rollout.backend import SamplingConfig
 __all__ = [
     "AlgoConfig",
     "BackendConfig",
+    "DistributedConfig",
     "EnvConfig",
     "EvalConfig",
     "EvalRunConfig",
@@ -187,6 +188,17 @@ class EvalConfig(ConfigModel):
     """Most tokens per assistant turn."""
 
 
+class DistributedConfig(ConfigModel):
+    """Data-parallel training under `torchrun` (docs/scaling.md)."""
+
+    mode: Literal["none", "ddp", "fsdp"] = "none"
+    """`none`: one process. `ddp`: every rank holds the whole model and gradients are averaged.
+    `fsdp`: FSDP2 shards each decoder layer over the ranks. ddp and fsdp need
+    `torchrun --nproc_per_node N -m agent_grpo.cli train ...` with N >= 2."""
+    timeout_s: float = 3600.0
+    """How long a rank waits in a collective (e.g. for rank 0's rollouts and evaluations)."""
+
+
 class RunConfig(ConfigModel):
     """Where outputs go."""
 
@@ -223,7 +235,8 @@ class TrainConfig(ConfigModel):
     """Held-out evaluation before and after training; None skips it."""
     run: RunConfig = RunConfig()
     """Output location and checkpointing."""
-
+    distributed: DistributedConfig = DistributedConfig()
+    """One process, or DDP / FSDP2 under torchrun."""
 
     @model_validator(mode="after")
     def _trainable_backend(self) -> TrainConfig:

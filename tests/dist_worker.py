@@ -6,11 +6,20 @@ the first row alone, so rank 1 has no rows) or `naive` (DDP with the per-rank to
 mistake the test shows). Each mode starts from the saved model, takes `steps` optimizer steps over
 the case's global batch, and rank 0 writes `OUT_DIR/MODE.pt` with the full parameters, the metrics
 of every step, each rank's model-token count and whether the parameters were DTensor shards.
+`score_ddp` and `score_fsdp` write the `distributed_batch_logprobs` of the case's batch under a
+`wrap_policy` and a `wrap_reference` module instead.
+
+`run_torchrun` is the tests' launcher: on a timeout or any error it kills torchrun and every
+process below it, so no worker outlives a failed test.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,16 +31,79 @@ from torch.distributed.tensor import DTensor
 from agent_grpo.batch import PackedBatch
 from agent_grpo.distributed import (
     DistContext,
+    distributed_batch_logprobs,
     distributed_minibatch_update,
     full_state_dict,
     global_sum,
     init_distributed,
     shard_rows,
     wrap_policy,
+    wrap_reference,
 )
 from agent_grpo.grpo import policy_loss, truncated_is_weights
 from agent_grpo.models import load_model
 from agent_grpo.train_config import AlgoConfig
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_torchrun(
+    args: list[str], env: dict[str, str], timeout: float, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`torchrun --nproc_per_node 2 ARGS` on 127.0.0.1, output captured; on a timeout, an
+    interrupt or any other error, torchrun and all its workers are killed (`kill_tree`)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1"]
+    launcher += ["--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    launcher += ["--master_port", str(free_port())]
+    env = {**env, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        launcher + args,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        kill_tree(proc)
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def kill_tree(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL `proc` and every process below it, then reap `proc`.
+
+    torchrun starts each worker in a session of its own, so killing the launcher's process group
+    misses them, and a SIGKILLed launcher cannot stop them itself: list the tree first (from
+    /proc), then kill each process by id.
+    """
+    for pid in [*descendants(proc.pid), proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.communicate()
+
+
+def descendants(pid: int) -> list[int]:
+    """Ids of every live process below `pid` (Linux /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid
+            parent = int(fields[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
 def naive_update(
@@ -103,6 +175,18 @@ def run_mode(case: dict[str, Any], model_dir: str, mode: str, ctx: DistContext) 
     }
 
 
+def score_mode(case: dict[str, Any], model_dir: str, mode: str, ctx: DistContext) -> dict[str, Any]:
+    """The case batch's logprobs `[B, T]` under a wrapped policy and a wrapped reference."""
+    wrap = "fsdp" if mode == "score_fsdp" else "ddp"
+    policy = wrap_policy(load_model(model_dir), wrap, ctx)
+    reference = wrap_reference(load_model(model_dir), wrap, ctx)
+    args = (case["batch"], case["temperature"], case["algo"], ctx)
+    return {
+        "policy": distributed_batch_logprobs(policy, *args),
+        "reference": distributed_batch_logprobs(reference, *args),
+    }
+
+
 def main(argv: list[str]) -> None:
     """Run every requested mode; rank 0 saves the results."""
     case_path, model_dir, out_dir, *modes = argv
@@ -110,7 +194,8 @@ def main(argv: list[str]) -> None:
     ctx = init_distributed()
     case = torch.load(case_path, weights_only=False)
     for mode in modes:
-        result = run_mode(case, model_dir, mode, ctx)
+        score = mode.startswith("score_")
+        result = (score_mode if score else run_mode)(case, model_dir, mode, ctx)
         if ctx.is_main:
             torch.save(result, Path(out_dir) / f"{mode}.pt")
     dist.destroy_process_group()

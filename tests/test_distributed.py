@@ -10,29 +10,26 @@ tolerance on parameters is a tolerance on gradients (Adam's first step is lr * s
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from dist_worker import run_torchrun
 
-from agent_grpo.batch import PackedBatch
+from agent_grpo.batch import PackedBatch, loss_denominator
 from agent_grpo.distributed import (
     DistContext,
     distributed_minibatch_update,
     global_max,
     global_sum,
-    loss_denominator,
     shard_rows,
     unwrap_policy,
     wrap_policy,
 )
 from agent_grpo.logprobs import token_logprobs
 from agent_grpo.models import load_model
-from agent_grpo.train import minibatch_update
+from agent_grpo.train import batch_logprobs, minibatch_update
 from agent_grpo.train_config import AlgoConfig
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -159,9 +156,9 @@ def test_loss_denominator_by_aggregation():
         advantages=torch.zeros(3),
         group_index=torch.arange(3),
     )
-    assert loss_denominator(batch, AlgoConfig(aggregation="token-mean"), 9) == 6.0
-    assert loss_denominator(batch, AlgoConfig(aggregation="seq-mean-token-mean"), 9) == 2.0
-    assert loss_denominator(batch, AlgoConfig(aggregation="seq-mean-token-sum-norm"), 9) == 27.0
+    assert loss_denominator(batch, "token-mean", 9) == 6
+    assert loss_denominator(batch, "seq-mean-token-mean", 9) == 2
+    assert loss_denominator(batch, "seq-mean-token-sum-norm", 9) == 27
 
 
 def test_wrap_policy_refuses_modes_that_do_not_fit_the_world(tiny_model):
@@ -217,28 +214,15 @@ def test_one_process_update_is_train_minibatch_update(tiny_model_dir, variant):
 # ---- two processes ------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A TCP port on the loopback interface that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_torchrun(case: dict[str, Any], model_dir: Path, tmp: Path, modes: list[str]) -> None:
+def run_worker(case: dict[str, Any], model_dir: Path, tmp: Path, modes: list[str]) -> None:
     """Launch the worker on 2 CPU processes; both talk over 127.0.0.1 only."""
     torch.save(case, tmp / "case.pt")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1"]
-    launcher += ["--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
-    launcher += ["--master_port", str(free_port())]
     args = [str(WORKER), str(tmp / "case.pt"), str(model_dir), str(tmp), *modes]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        launcher + args, env=env, capture_output=True, text=True, timeout=600, check=False
-    )
+    done = run_torchrun(args, dict(os.environ), timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
 
-MODES = ["ddp", "fsdp", "fsdp_one_row", "naive"]
+MODES = ["ddp", "fsdp", "fsdp_one_row", "naive", "score_ddp", "score_fsdp"]
 
 
 def rank_tokens(batch: PackedBatch) -> list[float]:
@@ -254,7 +238,7 @@ def two_process_results(
 ) -> dict[str, Any]:
     """One torchrun launch for every mode (start-up dominates the cost)."""
     tmp = tmp_path_factory.mktemp("dist")
-    run_torchrun(make_case(tiny_model_dir), tiny_model_dir, tmp, MODES)
+    run_worker(make_case(tiny_model_dir), tiny_model_dir, tmp, MODES)
     return {m: torch.load(tmp / f"{m}.pt", weights_only=False) for m in MODES}
 
 
@@ -277,6 +261,19 @@ def test_two_processes_take_the_one_process_step(
     assert expected["history"][0]["grad_norm"] > case["algo"].max_grad_norm  # clipping is active
     assert_same_history(got["history"], expected["history"], case["batch"], atol=1e-6)
     assert max_param_diff(got["params"], expected["params"]) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_processes_score_the_batch_like_one(two_process_results, tiny_model_dir, mode):
+    """pi_old / pi_ref passes split over ranks equal `train.batch_logprobs` on model tokens."""
+    case = make_case(tiny_model_dir)
+    batch = case["batch"]
+    want = batch_logprobs(load_model(tiny_model_dir), batch, case["temperature"], case["algo"])
+    assert want[batch.loss_mask].abs().min() > 0  # every model token really was scored
+    for name, got in two_process_results[f"score_{mode}"].items():
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got[batch.loss_mask], want[batch.loss_mask], rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -1,0 +1,141 @@
+"""`agent-grpo train` under torchrun takes the steps one process takes and writes the same run.
+
+The CLI runs as a subprocess on the tiny model, once in one process and then under
+`torchrun --nproc_per_node 2` (gloo, CPU, 127.0.0.1) in DDP and in FSDP2 mode; every metric of
+every step and the final checkpoint (weights and AdamW state) must agree. The config makes each
+torchrun code path run: 3 groups on 2 ranks (so the ranks hold different token counts), a warm
+start on rank 0 alone (its weights must reach rank 1 before FSDP2 shards them), `epochs=2` so
+pi_old is a separate sharded pass, `beta > 0` so pi_ref is one too, evaluation on rank 0 and a
+checkpoint every step. Both learning rates are 1e-3, so warm start and GRPO move parameters by
+~4e-3, far above the fp32 differences (measured: 6e-7 for DDP, 6e-6 for FSDP2, which turns off
+the shared-prefix pass); a rank that missed the warm start would be off by ~1e-3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist_worker import run_torchrun
+from safetensors.torch import load_file
+from test_cli_e2e import RULE, RULE_REWARD, deterministic, metrics
+
+from agent_grpo.config import ConfigError
+from agent_grpo.train import start_distributed
+from agent_grpo.train_config import DistributedConfig, TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = str(ROOT / "configs/calculator-tiny.yaml")
+SETTINGS = [
+    "rollout.tasks_per_step=3",
+    "algo.epochs=2",
+    "algo.beta=0.04",
+    "algo.lr=1.0e-3",
+    "warm_start.lr=1.0e-3",
+    RULE_REWARD,
+]
+PARAM_ATOL = 2e-5
+"""Final weights: one-process vs torchrun (measured at most 6.3e-6)."""
+
+
+def train(root: Path, model_dir: Path, name: str, *args: str, mode: str = "none") -> Path:
+    """`agent-grpo train` with the test settings: one process for mode none, else 2 ranks."""
+    (root / "e2e_rules.py").write_text(RULE)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    command = ["-m", "agent_grpo.cli", "train", CONFIG, f"model.name_or_path={model_dir}"]
+    command += [f"run.root={root}", f"run.name={name}", f"distributed.mode={mode}", *SETTINGS]
+    command += list(args)
+    if mode == "none":
+        done = subprocess.run(
+            [sys.executable, *command], env=env, cwd=root, capture_output=True, text=True,
+            timeout=600, check=False,
+        )  # fmt: skip
+    else:
+        done = run_torchrun(command, env, timeout=600, cwd=root)
+    assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return root / name
+
+
+def final_checkpoint(run: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Weights and optimizer state of the run's last checkpoint."""
+    path = sorted((run / "checkpoints").iterdir())[-1]
+    weights = load_file(path / "model" / "model.safetensors")
+    return weights, torch.load(path / "trainer.pt", weights_only=False)["optimizer"]
+
+
+def max_diff(a: dict[Any, torch.Tensor], b: dict[Any, torch.Tensor]) -> float:
+    """Largest absolute difference over tensors with the same keys."""
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def sampled(run: Path, step: int) -> list[tuple[list[int], float]]:
+    """(token ids, reward) of every trajectory of a step."""
+    lines = (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()
+    return [(r["token_ids"], r["reward"]) for r in map(json.loads, lines)]
+
+
+def assert_same_metrics(got: dict[str, float], want: dict[str, float]) -> None:
+    """Every deterministic metric (all but timings) agrees to fp32 precision."""
+    got, want = deterministic(got), deterministic(want)
+    assert got.keys() == want.keys()
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict[str, Path]:
+    """The same 2-step job in one process, under DDP and under FSDP2."""
+    root = tmp_path_factory.mktemp("dist-runs")
+    return {mode: train(root, tiny_model_dir, mode, mode=mode) for mode in ("none", "ddp", "fsdp")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_torchrun_takes_the_one_process_steps(
+    runs: dict[str, Path], tiny_model_dir: Path, mode: str
+) -> None:
+    single, sharded = metrics(runs["none"]), metrics(runs[mode])
+    # one row per step, then the final eval (as step 2): a second writing rank would double them
+    assert [r["step"] for r in sharded] == [0, 1, 2]
+    assert "eval_success_rate" in sharded[-1]
+    for got, want in zip(sharded, single, strict=True):
+        assert_same_metrics(got, want)
+    assert single[1]["approx_kl_old"] > 1e-5 and single[1]["kl_ref"] > 1e-6  # both passes used
+    assert sampled(runs[mode], 1) == sampled(runs["none"], 1)  # rank 0 sampled the same after
+    weights, optimizer = final_checkpoint(runs[mode])
+    want_weights, want_optimizer = final_checkpoint(runs["none"])
+    assert max_diff(weights, want_weights) < PARAM_ATOL
+    assert optimizer["param_groups"] == want_optimizer["param_groups"]
+    for index, state in want_optimizer["state"].items():
+        assert max_diff(optimizer["state"][index], state) < 1e-6  # step, exp_avg, exp_avg_sq
+    base = load_file(tiny_model_dir / "model.safetensors")
+    assert max_diff(want_weights, base) > 1e-3  # training moved the weights well past the tolerance
+
+
+@pytest.mark.slow
+def test_fsdp_resumes_its_own_checkpoint(
+    runs: dict[str, Path], tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """1 step, then `--resume` to 2 under FSDP2: step 1 and the weights match the 2-step run."""
+    train(tmp_path, tiny_model_dir, "resumed", "steps=1", "eval=null", mode="fsdp")
+    run = train(tmp_path, tiny_model_dir, "resumed", "eval=null", "--resume", mode="fsdp")
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [0.0, 1.0]
+    assert_same_metrics(rows[1], metrics(runs["none"])[1])
+    weights, _ = final_checkpoint(run)
+    assert max_diff(weights, final_checkpoint(runs["none"])[0]) < PARAM_ATOL
+
+
+def test_a_launch_that_does_not_fit_the_mode_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match="torchrun --nproc_per_node"):
+        start_distributed(TrainConfig(distributed=DistributedConfig(mode="ddp")))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="2 separate models"):
+        start_distributed(TrainConfig())
