@@ -4,7 +4,7 @@ Position `t` of every per-token tensor refers to token `t` of the sequence: `los
 true when token t was sampled by the policy, and the trainer's logprob at t is that of token t
 given tokens < t. Missing logprobs are NaN in tensors, and every consumer masks before reducing.
 
-The loss helpers at the end are shared by the one-process update (`train.minibatch_update`) and
+The loss helpers at the end are shared by the one-process update (`update.minibatch_update`) and
 the sharded one (`distributed.distributed_minibatch_update`), so both compute the same thing.
 """
 

@@ -395,7 +395,7 @@ def _micro_batch_loss(
     temperature: float,
     scale: tuple[int, float],
 ) -> tuple[Tensor, Tensor, PolicyLossMetrics]:
-    """Logprobs `[b, t]`, loss and metrics of one micro-batch, as in `train.minibatch_update`.
+    """Logprobs `[b, t]`, loss and metrics of one micro-batch, as in `update.minibatch_update`.
 
     `scale` is (max_tokens, denominator) of the global minibatch. A padding micro-batch
     (`trains=False`) scores every real token, so every parameter is in the graph (DDP needs
@@ -451,7 +451,7 @@ def distributed_minibatch_update(
     temperature: float,
     ctx: DistContext,
 ) -> tuple[dict[str, float], Tensor]:
-    """`train.minibatch_update` over this rank's groups of a global minibatch (same step, any W).
+    """`update.minibatch_update` over this rank's groups of a global minibatch (same step, any W).
 
     Every rank passes the same global `batch`, `old`, `ref` (`[B, T]`; `old=None`: on-policy) and
     a `wrap_policy` module. Returns the global metrics and the trainer logprobs `[B, T]` of the
@@ -499,7 +499,7 @@ def distributed_minibatch_update(
 def distributed_batch_logprobs(
     model: nn.Module, batch: PackedBatch, temperature: float, algo: AlgoConfig, ctx: DistContext
 ) -> Tensor:
-    """`train.batch_logprobs` split over ranks: each scores its groups' rows with a
+    """`update.batch_logprobs` split over ranks: each scores its groups' rows with a
     `wrap_policy` or `wrap_reference` module, every rank gets all rows `[B, T]` (NaN on rows
     without model tokens)."""
     rows = shard_rows(batch.input_ids.shape[0], ctx, batch.group_index)

@@ -1,7 +1,7 @@
 """Sharded GRPO updates: N processes must take exactly the step one process takes.
 
 The 2-process tests launch `tests/dist_worker.py` with torchrun (gloo, CPU, loopback only) and
-compare its parameters with `train.minibatch_update` run here on the same global batch. The
+compare its parameters with `update.minibatch_update` run here on the same global batch. The
 batch is built so the per-rank model-token counts are far apart (53 vs 16), which is what makes
 a per-rank denominator visibly wrong. SGD, not AdamW: its update is linear in the gradient, so a
 tolerance on parameters is a tolerance on gradients (Adam's first step is lr * sign(g)).
@@ -29,8 +29,8 @@ from agent_grpo.distributed import (
 )
 from agent_grpo.logprobs import token_logprobs
 from agent_grpo.models import load_model
-from agent_grpo.train import batch_logprobs, minibatch_update
 from agent_grpo.train_config import AlgoConfig
+from agent_grpo.update import batch_logprobs, minibatch_update
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 LENGTHS = [23, 9, 31, 14, 27, 6]
@@ -82,7 +82,7 @@ def make_case(model_dir: Path, **algo: Any) -> dict[str, Any]:
 
 
 def reference(case: dict[str, Any], model_dir: Path) -> dict[str, Any]:
-    """`train.minibatch_update` in one process over the whole global batch."""
+    """`update.minibatch_update` in one process over the whole global batch."""
     policy = load_model(model_dir)
     optimizer = torch.optim.SGD(policy.parameters(), lr=case["lr"])
     history = []
@@ -266,7 +266,7 @@ def test_two_processes_take_the_one_process_step(
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_processes_score_the_batch_like_one(two_process_results, tiny_model_dir, mode):
-    """pi_old / pi_ref passes split over ranks equal `train.batch_logprobs` on model tokens."""
+    """pi_old / pi_ref passes split over ranks equal `update.batch_logprobs` on model tokens."""
     case = make_case(tiny_model_dir)
     batch = case["batch"]
     want = batch_logprobs(load_model(tiny_model_dir), batch, case["temperature"], case["algo"])

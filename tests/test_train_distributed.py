@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 from test_cli_e2e import RULE, RULE_REWARD, deterministic, metrics
 
 from agent_grpo.config import ConfigError
-from agent_grpo.train import start_distributed
 from agent_grpo.train_config import DistributedConfig, TrainConfig
+from agent_grpo.train_setup import start_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs/calculator-tiny.yaml")

@@ -8,9 +8,9 @@ import copy
 import torch
 
 from agent_grpo.batch import pack_records
-from agent_grpo.train import minibatch_update
 from agent_grpo.train_config import AlgoConfig
 from agent_grpo.trajectory import Lengths, Message, Provenance, Termination, TrajectoryRecord
+from agent_grpo.update import minibatch_update
 
 
 def group_records(
