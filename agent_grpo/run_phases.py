@@ -26,6 +26,7 @@ __all__ = [
     "env_stop_strings",
     "evaluate_and_warm_start",
     "final_eval",
+    "open_tensorboard",
     "print_summary",
     "record_step",
     "run_eval",
@@ -146,15 +147,29 @@ def evaluate_and_warm_start(
     return state
 
 
+def open_tensorboard(run: RunDir, config: TrainConfig) -> Any:
+    """A TensorBoard writer under `{run}/tensorboard`, or None when turned off."""
+    if not config.run.tensorboard:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(run.path / "tensorboard"))
+
+
 def record_step(
     run: RunDir,
     config: TrainConfig,
     step: int,
     metrics: dict[str, float],
     records: list[TrajectoryRecord],
+    tensorboard: Any = None,
 ) -> None:
-    """Write a step's metrics and trajectories, and log its headline numbers."""
+    """Write a step's metrics (JSONL, TensorBoard) and trajectories; log the headline numbers."""
     run.write_metrics(step, metrics)
+    if tensorboard is not None:
+        for key, value in metrics.items():
+            tensorboard.add_scalar(key, value, step)
+        tensorboard.flush()
     if config.run.log_trajectories:
         run.write_trajectories(step, records)
     log.info(
@@ -162,8 +177,8 @@ def record_step(
         step,
         metrics["reward_mean"],
         metrics["success_rate"],
-        metrics.get("kl_ref_mean", 0.0),
-        metrics.get("clip_fraction", 0.0),
+        metrics.get("kl_ref", 0.0),
+        metrics.get("clip_frac", 0.0),
         metrics["rollout_tokens_per_s"],
         metrics["step_time_s"],
     )

@@ -53,6 +53,7 @@ from agent_grpo.run_phases import (
     env_stop_strings,
     evaluate_and_warm_start,
     final_eval,
+    open_tensorboard,
     record_step,
 )
 from agent_grpo.signal_metrics import dead_group_mask, logprob_mismatch, signal_metrics
@@ -263,10 +264,11 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
         state = restore(checkpoint, trainer)
         if run is not None:
             log.info("resumed from %s at step %d", checkpoint, state.step)
+    tensorboard = open_tensorboard(run, config) if run is not None else None
     for step in range(state.step, config.steps):
         metrics, records = train_step(config, trainer, step)
         if run is not None:
-            record_step(run, config, step, metrics, records)
+            record_step(run, config, step, metrics, records, tensorboard)
         state.step = step + 1
         every = config.run.checkpoint_every
         if state.step == config.steps or (every and state.step % every == 0):

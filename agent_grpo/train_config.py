@@ -210,6 +210,8 @@ class RunConfig(ConfigModel):
     """Save a checkpoint every N steps (and always at the end); 0 saves only at the end."""
     log_trajectories: bool = True
     """Write every trajectory record to the run directory."""
+    tensorboard: bool = True
+    """Also write each step's metrics as TensorBoard scalars under `{run}/tensorboard`."""
 
 
 class TrainConfig(ConfigModel):

@@ -89,6 +89,7 @@ def test_train_writes_metrics_trajectories_and_checkpoints(trained: Path) -> Non
     ]
     checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert len(checkpoints) == 2
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_resume_continues_with_identical_next_step(trained: Path, tiny_model_dir: Path) -> None:
