@@ -50,8 +50,14 @@ test: lint typecheck pytest
 demo: install model
 	$(BIN)/agent-grpo train configs/calculator.yaml
 
+# `make bench BENCH_FLAGS=--quick` for a smoke run. TRL is installed for the comparison only.
 bench: install model
-	$(BIN)/python bench/rollout_throughput.py
+	$(BIN)/pip install -q -c constraints-cpu.txt "trl==1.16.0" || echo "no TRL: train_throughput reports it did not run"
+	$(BIN)/python bench/rollout_throughput.py $(BENCH_FLAGS)
+	$(BIN)/python bench/train_throughput.py $(BENCH_FLAGS)
+	$(BIN)/python bench/memory_scaling.py $(BENCH_FLAGS)
+	$(BIN)/python bench/tool_runtime.py $(BENCH_FLAGS)
+	$(BIN)/python bench/report.py
 
 clean:
 	rm -rf $(VENV) build dist .mypy_cache .pytest_cache .ruff_cache

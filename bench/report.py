@@ -110,17 +110,27 @@ def rollout_section(r: Result) -> str:
         for name, m in res["methods"].items():
             if not m.get("ok"):
                 error = (m.get("error") or "").strip().splitlines()
-                rows.append([name, "did not run: " + (error[0] if error else "?")] + [None] * 5)
+                rows.append([name, "did not run: " + (error[0] if error else "?")] + [None] * 7)
                 continue
             e = m["envs"][env_id]
             rows.append([name, e.get("trajectories"), e.get("turns_mean"), e["generated_tokens"],
-                         e["wall_s"], e["tokens_per_s"], m.get("startup_s")])  # fmt: skip
+                         e["wall_s"], e["tokens_per_s"], _ratio(res, name, "naive", env_id),
+                         _ratio(res, name, "ceiling", env_id), m.get("startup_s")])  # fmt: skip
         parts.append(f"**{env_id}**")
         parts.append(md_table(
             ["method", "trajectories", "turns (mean)", "tokens", "wall s", "tokens/s",
-             "start-up s"], rows))  # fmt: skip
+             "x naive", "x ceiling", "start-up s"], rows))  # fmt: skip
         parts.append(_targets_line(res["summary"].get(env_id, {})))
     return "\n\n".join(parts)
+
+
+def _ratio(res: Result, name: str, base: str, env_id: str) -> float | None:
+    """tokens/s of method `name` over that of method `base` (None if either did not run)."""
+    methods = res["methods"]
+    if not (methods.get(name, {}).get("ok") and methods.get(base, {}).get("ok")):
+        return None
+    rate = methods[name]["envs"][env_id]["tokens_per_s"]
+    return float(rate / methods[base]["envs"][env_id]["tokens_per_s"])
 
 
 def _targets_line(summary: Result) -> str:
@@ -151,12 +161,13 @@ def train_section(r: Result) -> str:
     for name, x in sides.items():
         if not x["ok"]:
             error = (x.get("error") or "").strip().splitlines()
-            rows.append([name, "did not run: " + (error[0] if error else "?")] + [None] * 7)
+            rows.append([name, "did not run: " + (error[0] if error else "?")] + [None] * 9)
             continue
-        rows.append([name, x["prompt_tokens"], x["completion_tokens"], x["generate"]["seconds"],
-                     x["update"]["seconds"], x["update_tokens_per_s"],
-                     x["generate"]["rss_growth_mb"], x["update"]["rss_growth_mb"],
-                     x["process_peak_rss_mb"]])  # fmt: skip
+        spread = "{:.3g}-{:.3g}".format(min(x["update_s_all"]), max(x["update_s_all"]))
+        rows.append([name, x["repeats"], x["prompt_tokens"], x["completion_tokens"],
+                     x["generate"]["seconds"], x["update"]["seconds"], spread,
+                     x["update_tokens_per_s"], x["generate"]["rss_growth_mb"],
+                     x["update"]["rss_growth_mb"], x["process_peak_rss_mb"]])  # fmt: skip
     ratio = r["results"].get("ours_over_trl_update_speed")
     algo = sides.get("ours", {}).get("algo", {})
     knobs = ", ".join(f"`{k}={algo[k]}`" for k in ("shared_prefix", "skip_zero_advantage",
@@ -166,12 +177,14 @@ def train_section(r: Result) -> str:
         run_line(r),
         f"Embedded model, {s['tasks']} Calculator-v0 prompt(s) x group {s['group_size']}, "
         f"completions of exactly {s['completion_length']} tokens, beta {s['beta']}, lr {s['lr']},"
-        " one on-policy optimizer step, token-mean loss, each side in a fresh process. "
+        " one on-policy optimizer step, token-mean loss, each side in a fresh process, sides "
+        "alternating; medians over the runs. Generate = ours `collect_groups` with the `hf` "
+        "backend, TRL `_generate_and_score_completions`; update = the rest of the step. "
         "`+RSS` is the growth of resident memory over the phase (the first update also "
         "allocates AdamW's two moment buffers and the gradients); the last column is the "
         "whole process's peak." + (f" Our trainer's settings: {knobs}." if knobs else ""),
-        md_table(["impl", "prompt tokens", "completion tokens", "generate s", "update s",
-                  "update tokens/s", "generate +RSS MiB", "update +RSS MiB",
+        md_table(["impl", "runs", "prompt tokens", "completion tokens", "generate s", "update s",
+                  "update s range", "update tokens/s", "generate +RSS MiB", "update +RSS MiB",
                   "process peak MiB"], rows),
         "" if ratio is None else f"Update speed, ours / TRL: {ratio:.2f}x.",
     ]).rstrip()  # fmt: skip
@@ -215,7 +228,7 @@ def tools_section(r: Result) -> str:
         run_line(r),
         md_table(["method", "calls", "p50 ms", "p99 ms", "max ms", "wrong outputs"], latency),
         "Calls per second with N worker threads:",
-        md_table(["method", *(f"{n} threads" for n in levels)], rate),
+        md_table(["method", *(f"{n} thread{'s' * (n > 1)}" for n in levels)], rate),
     ])  # fmt: skip
 
 
@@ -242,8 +255,6 @@ def _memory(ax: Axes, r: Result) -> None:
         ax.plot([n for n, _ in points], [g for _, g in points], marker="o", label=path)
     per_row = res["fp32_logits_mb_per_1k_tokens"] / 1000
     ax.plot(res["lengths"], [n * per_row for n in res["lengths"]], "k--", label="one [T,V] fp32")
-    if max(res["lengths"]) >= 4 * min(res["lengths"]):
-        ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("peak RSS growth (MiB)")
     ax.set_title(f"update memory ({res['model']} model)")

@@ -250,9 +250,11 @@ def worker_openai(spec: RolloutSpec) -> dict[str, Any]:
         rows = spec.tasks * spec.group_size
         backend = OpenAIBackend(url, "bench", timeout_s=600.0, max_concurrency=rows)
         try:
-            return {"startup_s": startup, "envs": _collect_all(backend, spec)}
+            envs = _collect_all(backend, spec)
         finally:
             backend.close()
+    log.unlink()  # kept only when the server failed: its errors are in the raised message too
+    return {"startup_s": startup, "envs": envs}
 
 
 def _naive_episode(model: Any, tokenizer: Any, task: Task, spec: RolloutSpec, seed: int) -> dict:

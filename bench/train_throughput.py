@@ -8,7 +8,8 @@ completions of exactly `completion-length` tokens each (EOS disabled on our side
 on TRL's, so both train on the same number of tokens), temperature 1, top-p 1, top-k off, the
 same KL weight `beta`, clip 0.2, token-mean loss (TRL's `dapo`), AdamW with the same lr, grad
 clip 1.0, one optimizer step, on-policy (TRL `num_iterations=1`, ours `epochs=1`), and seeded
-random rewards (the reward values do not change the compute). Each side runs in a fresh process.
+random rewards (the reward values do not change the compute). Each side runs in a fresh process,
+`--repeats` times, alternating sides; tables show medians (the load of a shared machine drifts).
 
 Phases (wall seconds and peak RSS, see `isolated.py` for how memory is measured):
 - generate: ours `collect_groups` with the `hf` backend; TRL `_generate_and_score_completions`
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import random
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -46,12 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
+    p.add_argument("--repeats", type=int, default=3, help="runs per side, alternating sides")
     p.add_argument("--worker-timeout", type=float, default=1800.0)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.tasks, args.group_size, args.completion_length = 1, 2, 16
+        args.tasks, args.group_size, args.completion_length, args.repeats = 1, 2, 16, 1
     return args
 
 
@@ -199,8 +202,30 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
     if not child.ok:
         console.print(f"[red]{side} did not run:[/red] {(child.error or '')[-1500:]}")
         return {"ok": False, "error": child.error}
-    return {"ok": True, "process_peak_rss_mb": child.max_rss_mb, **child.result,
-            **summarise(child.result)}  # fmt: skip
+    return {"ok": True, "process_peak_rss_mb": child.max_rss_mb, **child.result}
+
+
+def _median_phase(runs: list[dict[str, Any]], phase: str) -> dict[str, float]:
+    keys = ("seconds", "rss_start_mb", "rss_peak_mb", "rss_growth_mb")
+    return {k: statistics.median(r[phase][k] for r in runs) for k in keys}
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side's repeats as medians (load on a shared machine drifts between runs)."""
+    ok = [r for r in runs if r["ok"]]
+    if not ok:
+        return {"ok": False, "error": runs[0]["error"], "runs": runs}
+    median = {
+        **ok[0],
+        "generate": _median_phase(ok, "generate"),
+        "update": _median_phase(ok, "update"),
+        "process_peak_rss_mb": statistics.median(r["process_peak_rss_mb"] for r in ok),
+        "repeats": len(ok),
+        "update_s_all": [r["update"]["seconds"] for r in ok],
+        "generate_s_all": [r["generate"]["seconds"] for r in ok],
+        "runs": runs,
+    }
+    return {**median, **summarise(median)}
 
 
 def print_results(sides: dict[str, dict[str, Any]]) -> None:
@@ -214,9 +239,9 @@ def print_results(sides: dict[str, dict[str, Any]]) -> None:
                      r["update"]["seconds"], r["update_tokens_per_s"],
                      r["update_trained_tokens_per_s"], r["generate"]["rss_growth_mb"],
                      r["update"]["rss_growth_mb"], r["process_peak_rss_mb"]])  # fmt: skip
-    print_table("one GRPO step", ["impl", "prompt tok", "completion tok", "generate s", "update s",
-                                  "update tok/s", "trained tok/s", "gen +RSS MiB",
-                                  "update +RSS MiB", "process peak MiB"], rows)  # fmt: skip
+    columns = ["impl", "prompt tok", "completion tok", "generate s", "update s", "update tok/s",
+               "trained tok/s", "gen +RSS MiB", "update +RSS MiB", "process peak MiB"]  # fmt: skip
+    print_table("one GRPO step (medians over repeats)", columns, rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -230,7 +255,11 @@ def main(argv: list[str] | None = None) -> None:
         write_child_result(args.result, worker(args))
         return
     with bench_run("train_throughput", args) as run:
-        sides = run.results["sides"] = {side: measure(side, args) for side in args.sides}
+        runs: dict[str, list[dict[str, Any]]] = {side: [] for side in args.sides}
+        for _ in range(args.repeats):
+            for side in args.sides:
+                runs[side].append(measure(side, args))
+        sides = run.results["sides"] = {side: combine(r) for side, r in runs.items()}
         if all(sides.get(s, {}).get("ok") for s in ("ours", "trl")):
             run.results["ours_over_trl_update_speed"] = (
                 sides["ours"]["update_tokens_per_s"] / sides["trl"]["update_tokens_per_s"]
