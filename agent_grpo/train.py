@@ -275,6 +275,7 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
             save(run, trainer, state)
     if run is not None and backend is not None:
         final_eval(config, run, backend, tokenizer, stop, state)
-    if ctx.distributed:
+    if ctx.distributed:  # rank 0 may still be evaluating: tear down together
+        dist.barrier()
         dist.destroy_process_group()
     return Path(config.run.root) / config.run.name

@@ -198,6 +198,9 @@ def main(argv: list[str]) -> None:
         result = (score_mode if score else run_mode)(case, model_dir, mode, ctx)
         if ctx.is_main:
             torch.save(result, Path(out_dir) / f"{mode}.pt")
+    # Tear down together: a rank destroying its process group while another still talks to it
+    # can abort gloo ("terminate called without an active exception") under load.
+    dist.barrier()
     dist.destroy_process_group()
 
 
