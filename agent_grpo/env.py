@@ -368,8 +368,10 @@ class ToolEnv(TextEnv[TaskT]):
         malformed_penalty: float = -1.0,
         tool_call_format: ToolCallFormat | None = None,
         render_mode: str | None = None,
+        max_tool_calls_per_turn: int = 8,
     ) -> None:
         super().__init__(max_turns=max_turns, render_mode=render_mode)
+        self.max_tool_calls_per_turn = max_tool_calls_per_turn
         if malformed_policy not in ("feedback", "terminate"):
             raise ValueError(f"malformed_policy must be feedback or terminate: {malformed_policy}")
         self.malformed_policy: MalformedPolicy = malformed_policy
@@ -400,7 +402,10 @@ class ToolEnv(TextEnv[TaskT]):
         calls = parse_tool_calls(action, self.tool_map, fmt=self.tool_call_format)
         if not calls:
             return TurnOutcome(final_answer=action)
-        records = [self._run(call) for call in calls]
+        # Past the cap, calls are answered with an error instead of run: a turn of 500 `python`
+        # calls must not start 500 sandboxes.
+        cap = self.max_tool_calls_per_turn
+        records = [self._run(c) for c in calls[:cap]] + [_over_cap(c, cap) for c in calls[cap:]]
         malformed = sum(isinstance(call, ToolCallParseError) for call in calls)
         terminate = malformed > 0 and self.malformed_policy == "terminate"
         return TurnOutcome(
@@ -416,6 +421,13 @@ class ToolEnv(TextEnv[TaskT]):
                 name=call.name or "", raw=call.raw, error=call.message, error_kind=call.kind
             )
         return run_tool_call(self.tool_map[call.name], call.arguments, raw=call.raw)
+
+
+def _over_cap(call: ParsedToolCall | ToolCallParseError, cap: int) -> ToolCallRecord:
+    """The record of a call that was not run because the turn made too many."""
+    message = f"not run: at most {cap} tool calls per turn"
+    return ToolCallRecord(name=call.name or "", raw=call.raw, error=message,
+                          error_kind="too_many_calls")  # fmt: skip
 
 
 def render_call(fmt: ToolCallFormat, name: str, arguments: Mapping[str, Any]) -> str:

@@ -211,3 +211,19 @@ def test_hf_backend_same_seeds_same_trajectories(tokenizer, tiny_model) -> None:
         assert a.sampler_logprobs == pytest.approx(b.sampler_logprobs, abs=1e-6)
     # different samples within a group: the per-sample seeds differ
     assert len({tuple(r.token_ids) for r in runs[0][:3]}) > 1
+
+
+def test_calls_past_the_per_turn_cap_are_answered_not_run(tokenizer) -> None:
+    from agent_grpo.registry import make_env
+
+    env = make_env("agent_grpo/Calculator-v0", max_tool_calls_per_turn=2)
+    env.reset(seed=0)
+    calls = "".join(
+        f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{i} + 1"}}}}</tool_call>'
+        for i in range(5)
+    )
+    observations, *_ = env.step(calls)
+    assert [m["content"] for m in observations[:2]] == ["1", "2"]
+    assert all("at most 2 tool calls per turn" in m["content"] for m in observations[2:])
+    assert len(observations) == 5
+    env.close()
