@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedToken
 
 from agent_grpo.models import tiny_model_config
 from agent_grpo.rollout.backend import SamplingConfig
+from agent_grpo.rollout.hf_backend import HFBackend
 
 pytest.importorskip("vllm")
 
@@ -241,8 +242,10 @@ def test_smollm2_greedy_tokens_equal_hf_greedy(smol, embedded_model_dir, tokeniz
     greedy = SamplingConfig(temperature=0.0, max_tokens=16)
     generations = smol.generate(prompts, greedy, seeds=[0, 1, 2])
     assert max(len(g.token_ids) for g in generations) == 16  # not all cut short by EOS
-    for prompt, generation in zip(prompts, generations, strict=True):
+    ours = HFBackend(model, tokenizer).generate(prompts, greedy, seeds=[0, 1, 2])
+    for prompt, generation, hf in zip(prompts, generations, ours, strict=True):
         assert generation.token_ids == hf_greedy(model, prompt, 16)
+        assert generation.token_ids == hf.token_ids  # the hf backend, batched, agrees too
         assert generation.logprobs == pytest.approx(
             sampled_logprobs(model, prompt, generation.token_ids), abs=1e-3
         )
