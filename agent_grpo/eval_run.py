@@ -9,10 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from agent_grpo.config import dump_config
-from agent_grpo.env import heldout_seeds
-from agent_grpo.evaluate import evaluate
+from agent_grpo.evaluate import env_stop_strings, evaluate_heldout
 from agent_grpo.models import load_model, load_tokenizer, resolve_model_path
-from agent_grpo.registry import make_env
 from agent_grpo.rollout.factory import build_backend
 from agent_grpo.store import RunDir
 from agent_grpo.train_config import EvalRunConfig
@@ -26,22 +24,11 @@ def run_eval_job(config: EvalRunConfig) -> Path:
     tokenizer = load_tokenizer(path)
     model = load_model(path, dtype=getattr(torch, config.model.dtype)).eval()
     backend = build_backend(config.backend, model, tokenizer, path)
-    env = make_env(config.env.id, **config.env.kwargs)
-    stop = list(getattr(env.unwrapped, "stop_strings", []))
-    env.close()
-    result, records = evaluate(
-        backend,
-        tokenizer,
-        config.env.id,
-        heldout_seeds(config.eval.tasks),
-        env_kwargs=config.env.kwargs,
-        samples=config.eval.samples,
-        temperature=config.eval.temperature,
-        max_tokens=config.eval.max_tokens,
-        max_context_tokens=config.max_context_tokens,
-        seed=config.seed,
-        stop=stop,
-    )
+    stop = env_stop_strings(config.env.id, config.env.kwargs)
+    result, records = evaluate_heldout(
+        backend, tokenizer, config.env, config.eval,
+        max_context_tokens=config.max_context_tokens, seed=config.seed, stop=stop,
+    )  # fmt: skip
     backend.close()
     run = RunDir.create(config.run.root, run_id=config.run.name, config_text=dump_config(config))
     run.write_metrics(0, {f"eval_{k}": float(v) for k, v in result.model_dump().items()})

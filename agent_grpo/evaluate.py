@@ -4,15 +4,26 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from agent_grpo.env import heldout_seeds
+from agent_grpo.registry import make_env
 from agent_grpo.rollout.backend import GenerationBackend, SamplingConfig
 from agent_grpo.rollout.collector import CollectorConfig, Task, collect_groups
 from agent_grpo.trajectory import TrajectoryRecord
 
-__all__ = ["EvalResult", "evaluate", "summarise_eval"]
+if TYPE_CHECKING:
+    from agent_grpo.train_config import EnvConfig, EvalConfig
+
+__all__ = [
+    "EvalResult",
+    "env_stop_strings",
+    "evaluate",
+    "evaluate_heldout",
+    "summarise_eval",
+]
 
 
 class EvalResult(BaseModel):
@@ -86,3 +97,31 @@ def evaluate(
     )
     result = collect_groups(tasks, backend, tokenizer, config, step=step)
     return summarise_eval(result.records), result.records
+
+
+def env_stop_strings(env_id: str, env_kwargs: dict[str, Any] | None = None) -> list[str]:
+    """Stop strings of an environment's tool-call format (end a turn right after a call)."""
+    env = make_env(env_id, **(env_kwargs or {}))
+    try:
+        return list(getattr(env.unwrapped, "stop_strings", []))
+    finally:
+        env.close()
+
+
+def evaluate_heldout(
+    backend: GenerationBackend,
+    tokenizer: Any,
+    env: EnvConfig,
+    eval_config: EvalConfig,
+    *,
+    max_context_tokens: int,
+    seed: int,
+    stop: Sequence[str],
+) -> tuple[EvalResult, list[TrajectoryRecord]]:
+    """`evaluate` on the first `eval_config.tasks` held-out seeds, as configured."""
+    return evaluate(
+        backend, tokenizer, env.id, heldout_seeds(eval_config.tasks), env_kwargs=env.kwargs,
+        samples=eval_config.samples, temperature=eval_config.temperature,
+        max_tokens=eval_config.max_tokens, max_context_tokens=max_context_tokens, seed=seed,
+        stop=stop,
+    )  # fmt: skip

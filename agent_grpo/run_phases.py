@@ -12,10 +12,9 @@ from rich.console import Console
 from rich.table import Table
 
 from agent_grpo.checkpoint import TrainerState
-from agent_grpo.env import heldout_seeds, train_seeds
-from agent_grpo.evaluate import EvalResult, evaluate
+from agent_grpo.env import train_seeds
+from agent_grpo.evaluate import EvalResult, evaluate_heldout
 from agent_grpo.logs import get_logger
-from agent_grpo.registry import make_env
 from agent_grpo.rollout.backend import GenerationBackend
 from agent_grpo.sft import expert_record, train_sft
 from agent_grpo.store import RunDir
@@ -23,7 +22,6 @@ from agent_grpo.train_config import TrainConfig
 from agent_grpo.trajectory import TrajectoryRecord
 
 __all__ = [
-    "env_stop_strings",
     "evaluate_and_warm_start",
     "final_eval",
     "open_tensorboard",
@@ -43,19 +41,10 @@ def run_eval(
     """Evaluate on held-out seeds (None when evaluation is off)."""
     if config.eval is None:
         return None
-    result, _ = evaluate(
-        backend,
-        tokenizer,
-        config.env.id,
-        heldout_seeds(config.eval.tasks),
-        env_kwargs=config.env.kwargs,
-        samples=config.eval.samples,
-        temperature=config.eval.temperature,
-        max_tokens=config.eval.max_tokens,
-        max_context_tokens=config.rollout.max_context_tokens,
-        seed=config.seed,
-        stop=stop,
-    )
+    result, _ = evaluate_heldout(
+        backend, tokenizer, config.env, config.eval,
+        max_context_tokens=config.rollout.max_context_tokens, seed=config.seed, stop=stop,
+    )  # fmt: skip
     log.info(
         "eval %s: success %.3f, pass@%d %.3f, tool calls %.2f",
         label,
@@ -86,15 +75,6 @@ def warm_start(config: TrainConfig, policy: torch.nn.Module, tokenizer: Any) -> 
         micro_batch_tokens=config.algo.micro_batch_tokens,
         seed=config.seed,
     )
-
-
-def env_stop_strings(config: TrainConfig) -> list[str]:
-    """Stop strings of the environment's tool-call format (end a turn right after a call)."""
-    env = make_env(config.env.id, **config.env.kwargs)
-    try:
-        return list(getattr(env.unwrapped, "stop_strings", []))
-    finally:
-        env.close()
 
 
 def print_summary(state: TrainerState, after: EvalResult | None) -> None:

@@ -42,6 +42,7 @@ from agent_grpo.distributed import (
     broadcast_object,
 )
 from agent_grpo.env import train_seeds
+from agent_grpo.evaluate import env_stop_strings
 from agent_grpo.grpo import group_advantages
 from agent_grpo.logs import get_logger
 from agent_grpo.models import load_model, load_tokenizer
@@ -50,7 +51,6 @@ from agent_grpo.rollout.backend import GenerationBackend
 from agent_grpo.rollout.collector import CollectorConfig, RolloutResult, Task, collect_groups
 from agent_grpo.rollout.factory import build_backend
 from agent_grpo.run_phases import (
-    env_stop_strings,
     evaluate_and_warm_start,
     final_eval,
     open_tensorboard,
@@ -247,7 +247,7 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
         if sampler is None
         else build_backend(config.rollout.backend, sampler, tokenizer, model_path)
     )
-    stop = env_stop_strings(config)
+    stop = env_stop_strings(config.env.id, config.env.kwargs)
     state = TrainerState(step=0)
     if checkpoint is None and backend is not None:
         state = evaluate_and_warm_start(config, policy, backend, tokenizer, stop)
