@@ -12,9 +12,9 @@ from pydantic import BaseModel
 
 from agent_grpo.env import ToolEnv, Verdict
 from agent_grpo.envs.answers import text_verdict
+from agent_grpo.invariants import check_invariants
 from agent_grpo.rollout.backend import Generation, SamplingConfig
 from agent_grpo.rollout.collector import CollectorConfig, Task, collect_groups
-from agent_grpo.tokens import check_invariants
 from agent_grpo.tool import tool
 from agent_grpo.trajectory import Provenance
 

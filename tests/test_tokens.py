@@ -10,12 +10,11 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from agent_grpo.invariants import TrajectoryInvariantError, check_invariants
 from agent_grpo.tokens import (
     ChatTemplateError,
     TemplateNotAppendOnlyError,
     TokenBuilder,
-    TrajectoryInvariantError,
-    check_invariants,
     render_reference,
 )
 from agent_grpo.trajectory import Message, Provenance, Termination, TrajectoryRecord, TurnRecord

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerBase
 
-from agent_grpo.tokens import TokenBuilder, check_invariants, encode_plain, render_reference
+from agent_grpo.invariants import check_invariants
+from agent_grpo.tokens import TokenBuilder, encode_plain, render_reference
 from agent_grpo.trajectory import Message, Provenance, Termination, TrajectoryRecord, TurnRecord
 
 EOS = 2

@@ -32,9 +32,10 @@ from rich.progress import Progress
 
 from agent_grpo.config import ConfigModel
 from agent_grpo.env import read_step_info
+from agent_grpo.invariants import check_invariants
 from agent_grpo.registry import make_env
 from agent_grpo.rollout.backend import Generation, GenerationBackend, SamplingConfig
-from agent_grpo.tokens import TokenBuilder, check_invariants
+from agent_grpo.tokens import TokenBuilder
 from agent_grpo.trajectory import Message, Termination, TrajectoryRecord, TurnRecord
 
 __all__ = ["CollectorConfig", "RolloutMetrics", "RolloutResult", "Task", "collect_groups"]
