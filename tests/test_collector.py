@@ -227,3 +227,17 @@ def test_calls_past_the_per_turn_cap_are_answered_not_run(tokenizer) -> None:
     assert all("at most 2 tool calls per turn" in m["content"] for m in observations[2:])
     assert len(observations) == 5
     env.close()
+
+
+@pytest.mark.parametrize("name", ["Calculator-v0", "PythonSandbox-v0", "Search-v0", "WebApi-v0"])
+def test_hf_backend_trajectories_pass_the_invariants_on_every_env(tokenizer, tiny_model, name):
+    from agent_grpo.rollout.hf_backend import HFBackend
+
+    model, _ = tiny_model
+    sampling = SamplingConfig(temperature=1.0, max_tokens=16, stop=["</tool_call>"])
+    config = CollectorConfig(group_size=2, sampling=sampling, progress=False)
+    tasks = [Task(env_id=f"agent_grpo/{name}", seed=3)]
+    records = collect_groups(tasks, HFBackend(model, tokenizer), tokenizer, config).records
+    assert len(records) == 2 and all(r.lengths.model > 0 for r in records)
+    for record in records:
+        check_invariants(record, tokenizer)

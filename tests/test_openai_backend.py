@@ -350,3 +350,20 @@ def test_served_greedy_tokens_and_logprobs_equal_hf(served) -> None:
     want = logits.gather(1, torch.tensor([sampled[0].token_ids]).T)[:, 0]  # [8]
     want = want - logits.topk(40, dim=-1).values.logsumexp(-1)  # [8]
     assert sampled[0].logprobs == pytest.approx(want.tolist(), abs=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["Calculator-v0", "PythonSandbox-v0", "Search-v0", "WebApi-v0"])
+def test_served_trajectories_pass_the_invariants(served, tokenizer, name) -> None:
+    from agent_grpo.invariants import check_invariants
+    from agent_grpo.rollout.collector import CollectorConfig, Task, collect_groups
+
+    _, url = served
+    sampling = SamplingConfig(temperature=1.0, max_tokens=24, stop=["</tool_call>"])
+    config = CollectorConfig(group_size=2, sampling=sampling, progress=False)
+    with backend(url, model="tiny") as client:
+        tasks = [Task(env_id=f"agent_grpo/{name}", seed=3)]
+        records = collect_groups(tasks, client, tokenizer, config).records
+    assert len(records) == 2 and all(r.lengths.model > 0 for r in records)
+    for record in records:
+        check_invariants(record, tokenizer)

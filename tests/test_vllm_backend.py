@@ -264,3 +264,23 @@ def test_smollm2_stops_on_eos_and_on_stop_strings(smol, tokenizer) -> None:
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free.token_ids[:end]
     assert stopped.text.endswith(stop)
+
+
+BUILTIN_ENVS = ["Calculator-v0", "PythonSandbox-v0", "Search-v0", "WebApi-v0"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BUILTIN_ENVS)
+def test_collected_trajectories_pass_the_invariants(tiny, tokenizer, name) -> None:
+    from agent_grpo.invariants import check_invariants
+    from agent_grpo.rollout.collector import CollectorConfig, Task, collect_groups
+
+    _, backend = tiny
+    sampling = SamplingConfig(temperature=1.0, max_tokens=24, stop=["</tool_call>"])
+    config = CollectorConfig(group_size=2, sampling=sampling, progress=False)
+    records = collect_groups(
+        [Task(env_id=f"agent_grpo/{name}", seed=3)], backend, tokenizer, config
+    ).records
+    assert len(records) == 2 and all(r.lengths.model > 0 for r in records)
+    for record in records:
+        check_invariants(record, tokenizer)
