@@ -1,0 +1,54 @@
+"""DAPO dynamic sampling: dead groups are dropped and fresh tasks refill the batch."""
+
+from __future__ import annotations
+
+from agent_grpo import train
+from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult, Task
+from agent_grpo.signal_metrics import dead_group_mask
+from agent_grpo.train_config import TrainConfig
+from agent_grpo.trajectory import Lengths, Message, Termination, TrajectoryRecord
+
+
+def record(group: str, index: int, reward: float) -> TrajectoryRecord:
+    return TrajectoryRecord(
+        group_id=group, task_id=group, index_in_group=index, group_size=2, env_id="e", seed=0,
+        messages=[Message(role="user", content="q")], token_ids=[], provenance=[],
+        sampler_logprobs=[], reward=reward,
+        termination=Termination(kind="terminated", reason="t"), lengths=Lengths(),
+    )  # fmt: skip
+
+
+def test_dead_groups_are_replaced_by_live_ones(monkeypatch) -> None:
+    calls: list[int] = []
+
+    def fake_collect_groups(tasks: list[Task], *args, step: int, run_id: str) -> RolloutResult:
+        calls.append(step)
+        # odd seeds give a live group (rewards 0 and 1), even seeds a dead one (0 and 0)
+        records = [
+            record(f"s{step}-t{t}", i, float(i) if task.seed % 2 else 0.0)
+            for t, task in enumerate(tasks)
+            for i in range(2)
+        ]
+        return RolloutResult(records=records, metrics=RolloutMetrics())
+
+    monkeypatch.setattr(train, "collect_groups", fake_collect_groups)
+    config = TrainConfig.model_validate({
+        "rollout": {"tasks_per_step": 4, "group_size": 2},
+        "algo": {"dynamic_sampling": True, "dynamic_sampling_max_rounds": 10},
+    })  # fmt: skip
+    result = train.collect(config, backend=None, tokenizer=None, stop=[], step=3)  # type: ignore[arg-type]
+    assert len(result.records) == 8
+    assert not any(dead_group_mask(result.records))
+    assert calls[0] == 3 and all(c > 3000 for c in calls[1:])  # extra rounds: distinct group ids
+    assert len({r.group_id for r in result.records}) == 4
+
+
+def test_without_dynamic_sampling_the_batch_is_kept_as_sampled(monkeypatch) -> None:
+    def fake_collect_groups(tasks: list[Task], *args, step: int, run_id: str) -> RolloutResult:
+        records = [record(f"t{t}", i, 0.0) for t in range(len(tasks)) for i in range(2)]
+        return RolloutResult(records=records, metrics=RolloutMetrics())
+
+    monkeypatch.setattr(train, "collect_groups", fake_collect_groups)
+    config = TrainConfig.model_validate({"rollout": {"tasks_per_step": 3, "group_size": 2}})
+    result = train.collect(config, backend=None, tokenizer=None, stop=[], step=0)  # type: ignore[arg-type]
+    assert len(result.records) == 6 and all(dead_group_mask(result.records))
