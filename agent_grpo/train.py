@@ -278,4 +278,4 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
     if ctx.distributed:  # rank 0 may still be evaluating: tear down together
         dist.barrier()
         dist.destroy_process_group()
-    return Path(config.run.root) / config.run.name
+    return run.path if run is not None else Path(config.run.root) / config.run.name

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -98,7 +99,12 @@ def open_run(config: TrainConfig, resume: bool) -> RunDir:
     """The run directory: the existing one when resuming, else a new one with the config."""
     if resume:
         return RunDir.open(Path(config.run.root) / config.run.name)
-    return RunDir.create(config.run.root, run_id=config.run.name, config_text=dump_config(config))
+    name = config.run.name
+    if (Path(config.run.root) / name).exists():  # never mix two runs' records in one directory
+        name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        log.warning("%s/%s exists; writing this run to %s/%s", config.run.root,
+                    config.run.name, config.run.root, name)  # fmt: skip
+    return RunDir.create(config.run.root, run_id=name, config_text=dump_config(config))
 
 
 def model_source(config: TrainConfig, checkpoint: Path | None, ctx: DistContext) -> str:

@@ -167,3 +167,17 @@ def test_replay_inspect_html_and_verify_on_the_trained_run(trained: Path) -> Non
     inspected = agent_grpo("inspect", str(run), cwd=trained)
     assert "reward" in inspected.stdout.lower()
     assert list(run.glob("*.png")), "inspect writes a PNG next to the run"
+
+
+def test_a_second_run_with_the_same_name_gets_its_own_directory(
+    trained: Path, tiny_model_dir: Path
+) -> None:
+    config = str(ROOT / "configs/calculator-tiny.yaml")
+    model = f"model.name_or_path={tiny_model_dir}"
+    quick = ["steps=0", "eval=null", "warm_start=null"]
+    done = agent_grpo("train", config, model, f"run.root={trained}", "run.name=full", *quick,
+                      cwd=trained)  # fmt: skip
+    printed = Path(done.stdout.strip().splitlines()[-1])
+    assert printed.parent == trained and printed.name.startswith("full-")
+    assert (printed / "config.yaml").exists()
+    assert len(metrics(trained / "full")) > 2  # the first run's records are untouched
