@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
+from tiny_vllm import save_tiny_llama
+from transformers import LlamaForCausalLM
 
-from agent_grpo.models import tiny_model_config
 from agent_grpo.rollout.backend import SamplingConfig
 from agent_grpo.rollout.openai_backend import (
     OpenAIBackend,
@@ -240,18 +240,6 @@ def test_generate_works_from_inside_a_running_event_loop() -> None:
 
 
 # ---------------------------------------------------------------- real `vllm serve`
-
-
-def save_tiny_llama(path: Path, tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
-    """The project's tiny model with 2 heads of 32 (vLLM's CPU attention rejects head_dim 16)."""
-    config = tiny_model_config()
-    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 1, 32
-    config.initializer_range = 0.2  # peaked enough that greedy is not a coin toss between ties
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return model
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], list[float]]:

@@ -7,13 +7,12 @@ attention kernels accept) and on the embedded SmolLM2-135M-Instruct.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
+from tiny_vllm import save_tiny_llama
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from agent_grpo.models import tiny_model_config
 from agent_grpo.rollout.backend import SamplingConfig
 from agent_grpo.rollout.hf_backend import HFBackend
 
@@ -34,18 +33,6 @@ pytestmark = pytest.mark.vllm
 EOS = 2  # <|im_end|>
 TINY_KV_BYTES = 64 << 20
 SMOL_KV_BYTES = 256 << 20  # 30 layers x 3 KV heads x 64 dims x fp32: ~94 MB for 2048 tokens
-
-
-def save_tiny_llama(path: Path, tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
-    """The project's tiny model with 2 heads of 32 (vLLM's CPU attention rejects head_dim 16)."""
-    config = tiny_model_config()
-    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 1, 32
-    config.initializer_range = 0.2  # peaked enough that greedy is not a coin toss between ties
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return model
 
 
 def hf_next_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
