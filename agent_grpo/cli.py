@@ -20,7 +20,7 @@ def _cmd_model_fetch(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from agent_grpo.config import load_config
     from agent_grpo.train import train
-    from agent_grpo.train_config import TrainConfig
+    from agent_grpo.train.config import TrainConfig
 
     config = load_config(TrainConfig, args.config, args.overrides)
     print(train(config, resume=args.resume))
@@ -30,7 +30,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from agent_grpo.config import load_config
     from agent_grpo.eval_run import run_eval_job
-    from agent_grpo.train_config import EvalRunConfig
+    from agent_grpo.train.config import EvalRunConfig
 
     config = load_config(EvalRunConfig, args.config, args.overrides)
     print(run_eval_job(config))
@@ -67,7 +67,7 @@ def build_parser(*, with_replay: bool = True) -> argparse.ArgumentParser:
     _add_config_command(sub, "eval", "evaluate a model on held-out seeds", _cmd_eval)
     sub.add_parser("envs", help="list registered environments").set_defaults(func=_cmd_envs)
     if with_replay:  # rich/matplotlib-heavy; `model fetch` must not depend on it
-        from agent_grpo.replay import add_inspect_parser, add_replay_parser
+        from agent_grpo.inspect.replay import add_inspect_parser, add_replay_parser
 
         add_replay_parser(sub)
         add_inspect_parser(sub)

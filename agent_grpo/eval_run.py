@@ -13,7 +13,7 @@ from agent_grpo.evaluate import env_stop_strings, evaluate_heldout
 from agent_grpo.models import load_model, load_tokenizer, resolve_model_path
 from agent_grpo.rollout.factory import build_backend
 from agent_grpo.store import RunDir
-from agent_grpo.train_config import EvalRunConfig
+from agent_grpo.train.config import EvalRunConfig
 
 __all__ = ["run_eval_job"]
 
@@ -31,12 +31,12 @@ def run_eval_job(config: EvalRunConfig) -> Path:
     )  # fmt: skip
     backend.close()
     run = RunDir.create(config.run.root, run_id=config.run.name, config_text=dump_config(config))
-    run.write_metrics(0, {f"eval_{k}": float(v) for k, v in result.model_dump().items()})
+    run.write_metrics(0, result.row())
     run.write_trajectories(0, records)
     table = Table(title=f"{config.model.name_or_path} on {config.env.id}")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key, value in result.model_dump().items():
-        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    for key, value in result.row().items():
+        table.add_row(key.removeprefix("eval_"), f"{value:.3f}")
     Console().print(table)
     return run.path

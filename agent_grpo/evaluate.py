@@ -12,10 +12,11 @@ from agent_grpo.env import heldout_seeds
 from agent_grpo.registry import make_env
 from agent_grpo.rollout.backend import GenerationBackend, SamplingConfig
 from agent_grpo.rollout.collector import CollectorConfig, Task, collect_groups
+from agent_grpo.rollout.summary import TrajectorySummary, summarize_trajectories
 from agent_grpo.trajectory import TrajectoryRecord
 
 if TYPE_CHECKING:
-    from agent_grpo.train_config import EnvConfig, EvalConfig
+    from agent_grpo.train.config import EnvConfig, EvalConfig
 
 __all__ = [
     "EvalResult",
@@ -27,28 +28,22 @@ __all__ = [
 
 
 class EvalResult(BaseModel):
-    """Held-out metrics of one evaluation."""
+    """Held-out metrics of one evaluation: the shared trajectory summary plus pass@k."""
 
     tasks: int
     """Distinct held-out tasks."""
     samples_per_task: int
     """k: samples drawn per task."""
-    success_rate: float
-    """Fraction of all samples the verifier judged solved."""
     pass_at_k: float
     """Fraction of tasks solved by at least one of their k samples."""
-    mean_reward: float
-    """Mean total reward over all samples."""
-    tool_call_rate: float
-    """Fraction of samples that made at least one tool call."""
-    malformed_call_rate: float
-    """Malformed tool calls per tool call."""
-    mean_turns: float
-    """Mean assistant turns per sample."""
-    mean_model_tokens: float
-    """Mean sampled tokens per sample."""
-    truncated_rate: float
-    """Fraction of samples ended by a limit."""
+    summary: TrajectorySummary
+    """What the evaluation episodes did (success rate, reward, turns, tool use, ...)."""
+
+    def row(self) -> dict[str, float]:
+        """Flat `eval_<name>` metrics for `metrics.jsonl`."""
+        flat = {"tasks": self.tasks, "samples_per_task": self.samples_per_task,
+                "pass_at_k": self.pass_at_k, **self.summary.model_dump()}  # fmt: skip
+        return {f"eval_{k}": float(v) for k, v in flat.items()}
 
 
 def summarise_eval(records: Sequence[TrajectoryRecord]) -> EvalResult:
@@ -56,19 +51,11 @@ def summarise_eval(records: Sequence[TrajectoryRecord]) -> EvalResult:
     by_task: dict[str, list[TrajectoryRecord]] = defaultdict(list)
     for record in records:
         by_task[record.task_id].append(record)
-    n = max(1, len(records))
-    calls = sum(len(t.tool_calls) for r in records for t in r.turns)
     return EvalResult(
         tasks=len(by_task),
         samples_per_task=max((len(v) for v in by_task.values()), default=0),
-        success_rate=sum(r.success for r in records) / n,
         pass_at_k=sum(any(r.success for r in g) for g in by_task.values()) / max(1, len(by_task)),
-        mean_reward=sum(r.reward for r in records) / n,
-        tool_call_rate=sum(any(t.tool_calls for t in r.turns) for r in records) / n,
-        malformed_call_rate=sum(r.malformed_tool_calls for r in records) / max(1, calls),
-        mean_turns=sum(len(r.turns) for r in records) / n,
-        mean_model_tokens=sum(r.lengths.model for r in records) / n,
-        truncated_rate=sum(r.termination.kind == "truncated" for r in records) / n,
+        summary=summarize_trajectories(records),
     )
 
 

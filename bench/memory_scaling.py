@@ -58,7 +58,7 @@ def load(kind: str) -> PreTrainedModel:
 
 def update_once(model: PreTrainedModel, path: str, length: int) -> float:
     """Forward + backward of the policy loss on one random sequence; returns the loss."""
-    from agent_grpo.grpo import policy_loss
+    from agent_grpo.algo.grpo import policy_loss
     from agent_grpo.logprobs import reference_token_logprobs, token_logprobs
 
     generator = torch.Generator().manual_seed(length)

@@ -35,7 +35,7 @@ def _build_warm(out: Path, demos_per_env: int, seed: int) -> dict[str, Any]:
     """Supervised pass on expert episodes of every env in WARM_ENVS; saves model + tokenizer."""
     from agent_grpo.env import train_seeds
     from agent_grpo.models import load_model, load_tokenizer
-    from agent_grpo.sft import expert_record, train_sft
+    from agent_grpo.train.warm_start import expert_record, train_sft
 
     started = time.perf_counter()
     tokenizer = load_tokenizer("smollm2-135m-instruct")

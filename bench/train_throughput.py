@@ -78,14 +78,14 @@ def random_rewards(n: int, seed: int) -> list[float]:
 
 def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
     """Our step: `collect_groups` (hf backend) then `minibatch_update`."""
-    from agent_grpo.batch import pack_records
-    from agent_grpo.grpo import group_advantages
+    from agent_grpo.algo.grpo import group_advantages
     from agent_grpo.models import load_model, load_tokenizer
     from agent_grpo.rollout.backend import SamplingConfig
     from agent_grpo.rollout.collector import CollectorConfig, Task, collect_groups
     from agent_grpo.rollout.hf_backend import HFBackend
-    from agent_grpo.train_config import AlgoConfig
-    from agent_grpo.update import batch_logprobs, minibatch_update
+    from agent_grpo.train.batch import pack_records
+    from agent_grpo.train.config import AlgoConfig
+    from agent_grpo.train.update import batch_logprobs, minibatch_update
 
     tokenizer, policy = load_tokenizer("smollm2-135m-instruct"), load_model("smollm2-135m-instruct")
     reference = copy.deepcopy(policy).requires_grad_(False) if args.beta > 0 else None

@@ -1,12 +1,12 @@
 """torchrun target of `tests/test_distributed.py`: sharded GRPO steps on a saved case.
 
 Usage: `torchrun --nproc_per_node 2 tests/dist_worker.py CASE.pt MODEL_DIR OUT_DIR MODE...`
-where MODE is `ddp`, `fsdp` (the real `distributed_minibatch_update`), `fsdp_one_row` (the same on
+where MODE is `ddp`, `fsdp` (the real `update.minibatch_update`), `fsdp_one_row` (the same on
 the first row alone, so rank 1 has no rows) or `naive` (DDP with the per-rank token mean, the
 mistake the test shows). Each mode starts from the saved model, takes `steps` optimizer steps over
 the case's global batch, and rank 0 writes `OUT_DIR/MODE.pt` with the full parameters, the metrics
 of every step, each rank's model-token count and whether the parameters were DTensor shards.
-`score_ddp` and `score_fsdp` write the `distributed_batch_logprobs` of the case's batch under a
+`score_ddp` and `score_fsdp` write the `update.batch_logprobs` of the case's batch under a
 `wrap_policy` and a `wrap_reference` module instead.
 
 `run_torchrun` is the tests' launcher: on a timeout or any error it kills torchrun and every
@@ -28,11 +28,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from agent_grpo.batch import PackedBatch
-from agent_grpo.distributed import (
+from agent_grpo.algo.grpo import policy_loss, truncated_is_weights
+from agent_grpo.models import load_model
+from agent_grpo.train.batch import PackedBatch
+from agent_grpo.train.config import AlgoConfig
+from agent_grpo.train.update import batch_logprobs, minibatch_update
+from agent_grpo.train.parallel import (
     DistContext,
-    distributed_batch_logprobs,
-    distributed_minibatch_update,
     full_state_dict,
     global_sum,
     init_distributed,
@@ -40,9 +42,6 @@ from agent_grpo.distributed import (
     wrap_policy,
     wrap_reference,
 )
-from agent_grpo.grpo import policy_loss, truncated_is_weights
-from agent_grpo.models import load_model
-from agent_grpo.train_config import AlgoConfig
 
 
 def free_port() -> int:
@@ -153,7 +152,7 @@ def run_mode(case: dict[str, Any], model_dir: str, mode: str, ctx: DistContext) 
         if mode == "naive":
             history.append(naive_update(policy, optimizer, case, ctx))
             continue
-        metrics, seen = distributed_minibatch_update(
+        metrics, seen = minibatch_update(
             policy,
             optimizer,
             case["batch"],
@@ -161,9 +160,10 @@ def run_mode(case: dict[str, Any], model_dir: str, mode: str, ctx: DistContext) 
             case["ref"],
             case["algo"],
             case["temperature"],
+            case["max_tokens"],
             ctx,
         )
-        history.append({**metrics, "seen": seen})
+        history.append({**metrics.model_dump(), "seen": seen})
     rows = shard_rows(case["batch"].input_ids.shape[0], ctx, case["batch"].group_index)
     mine = torch.zeros(ctx.world_size)
     mine[ctx.rank] = case["batch"].select(rows).num_model_tokens if rows else 0
@@ -182,8 +182,8 @@ def score_mode(case: dict[str, Any], model_dir: str, mode: str, ctx: DistContext
     reference = wrap_reference(load_model(model_dir), wrap, ctx)
     args = (case["batch"], case["temperature"], case["algo"], ctx)
     return {
-        "policy": distributed_batch_logprobs(policy, *args),
-        "reference": distributed_batch_logprobs(reference, *args),
+        "policy": batch_logprobs(policy, *args),
+        "reference": batch_logprobs(reference, *args),
     }
 
 

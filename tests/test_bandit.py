@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from agent_grpo.grpo import group_advantages, policy_loss
+from agent_grpo.algo.grpo import group_advantages, policy_loss
 from agent_grpo.logprobs import token_logprobs
 
 

@@ -1,4 +1,4 @@
-"""Golden tests for agent_grpo.grpo: every expected number is derived by hand in a comment."""
+"""Golden tests for agent_grpo.algo.grpo: every expected number is derived by hand in a comment."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from agent_grpo.grpo import (
+from agent_grpo.algo.grpo import (
     group_advantages,
     kl_penalty,
     masked_mean,
@@ -171,7 +171,7 @@ def test_policy_loss_kl_term(kind: str, kl_per_token: float) -> None:
     ref = _junk(OLD + LOG_RATIO + 1)
     loss, metrics = policy_loss(logprobs, old, ADV, MASK, ref_logprobs=ref, beta=0.1, kl=kind)  # type: ignore[arg-type]
     assert loss.item() == pytest.approx(TOKEN_SUM / 5 + 0.1 * kl_per_token, rel=1e-6)
-    assert metrics.kl_ref == pytest.approx(kl_per_token, rel=1e-6)
+    assert metrics.kl_ref == pytest.approx(E - 2, rel=1e-6)  # the logged value is always k3
 
 
 def test_policy_loss_metrics() -> None:
@@ -214,7 +214,8 @@ def test_is_weights_scale_policy_term_only() -> None:
     assert loss.item() == pytest.approx((E + 0.2) / 5, rel=1e-6)
     # With a KL term the weight does not touch it: + beta * (e - 2) per token, unweighted.
     ref = _junk(OLD + LOG_RATIO + 1)
-    loss, _ = policy_loss(logprobs, old, ADV, MASK, is_weights=weights, ref_logprobs=ref, beta=0.1)
+    loss, _ = policy_loss(logprobs, old, ADV, MASK, is_weights=weights, ref_logprobs=ref, beta=0.1,
+                          kl="k3")  # fmt: skip
     assert loss.item() == pytest.approx((E + 0.2) / 5 + 0.1 * (E - 2), rel=1e-6)
 
 
@@ -257,3 +258,80 @@ def test_truncated_is_weights() -> None:
     got = truncated_is_weights(trainer, sampler, mask, cap=3.0)
     torch.testing.assert_close(got, torch.tensor([[2.0, 0.5, 3.0, 1.0]]))
     assert not got.requires_grad
+
+
+# --- invalid members and precision -----------------------------------------------------------
+
+
+def test_invalid_members_leave_the_group_statistics() -> None:
+    # Group a: rewards [1, 0, NaN (invalid), 1 (invalid: an env error)]. Only [1, 0] count:
+    # mean .5, centered [+.5, -.5], unbiased std sqrt(.5); A = +-.5 / sqrt(.5) = +-0.7071.
+    # Group b: [1, inf, 0] with inf invalid -> [1, 0] as well. Group c: one valid member -> 0.
+    rewards = torch.tensor([1.0, 0.0, NAN, 1.0, 1.0, INF, 0.0, 5.0, 3.0])
+    ids = ["a", "a", "a", "a", "b", "b", "b", "c", "c"]
+    valid = torch.tensor([True, True, True, False, True, True, True, True, False])
+    got = group_advantages(rewards, ids, valid=valid, eps=0.0)
+    a = 0.5 / math.sqrt(0.5)
+    want = torch.tensor([a, -a, 0.0, 0.0, a, 0.0, -a, 0.0, 0.0])
+    torch.testing.assert_close(got, want)
+    assert torch.isfinite(got).all()
+
+
+def test_large_close_rewards_keep_their_order() -> None:
+    # float32 rounds 1000.0001, 1000.0002, 1000.0003 to 1000.00006, 1000.00018, 1000.0003
+    # (steps of 6.1e-5): built in float64 they are [-1, 0, 1] after the std division.
+    rewards = torch.tensor([1000.0001, 1000.0002, 1000.0003], dtype=torch.float64)
+    got = group_advantages(rewards, [0, 0, 0], eps=0.0)
+    torch.testing.assert_close(got, torch.tensor([-1.0, 0.0, 1.0]), atol=1e-5, rtol=0)
+
+
+def test_rloo_as_published_is_unscaled() -> None:
+    # r = [1, 0, 0, 1]: r_i - mean(others) = [1 - 1/3, 0 - 2/3, 0 - 2/3, 1 - 1/3].
+    got = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), [0] * 4, scale="none",
+                           leave_one_out=True)  # fmt: skip
+    torch.testing.assert_close(got, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+
+
+# --- the KL term's gradient -------------------------------------------------------------------
+
+
+def _categorical() -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a 5-way policy (with grad) and the log-probabilities of a fixed reference."""
+    theta = torch.tensor([0.3, -1.2, 0.8, 0.0, 2.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([1.0, 0.2, -0.5, 0.4, 0.9], dtype=torch.float64), -1)
+    return theta, ref
+
+
+def _expected_loss_gradient(kind: str) -> torch.Tensor:
+    """E_{y ~ pi}[grad_theta k(y)] with y held fixed (how the loss uses the estimator),
+    computed exactly by summing over the 5 outcomes weighted by pi(y) (detached)."""
+    theta, ref = _categorical()
+    logp = torch.log_softmax(theta, -1)
+    per_outcome = kl_penalty(logp, ref, kind)  # type: ignore[arg-type]
+    (torch.softmax(theta, -1).detach() * per_outcome).sum().backward()
+    assert theta.grad is not None
+    return theta.grad
+
+
+def _exact_gradient(forward: bool) -> torch.Tensor:
+    """grad_theta of KL(pi || ref) (`forward`) or KL(ref || pi), in closed form via autograd."""
+    theta, ref = _categorical()
+    logp = torch.log_softmax(theta, -1)
+    kl = (logp.exp() * (logp - ref)).sum() if forward else (ref.exp() * (ref - logp)).sum()
+    kl.backward()
+    assert theta.grad is not None
+    return theta.grad
+
+
+def test_k2_as_a_loss_has_the_gradient_of_kl_pi_to_ref() -> None:
+    torch.testing.assert_close(_expected_loss_gradient("k2"), _exact_gradient(forward=True))
+
+
+def test_k3_as_a_loss_has_the_gradient_of_the_reverse_kl() -> None:
+    got = _expected_loss_gradient("k3")
+    torch.testing.assert_close(got, _exact_gradient(forward=False))
+    assert not torch.allclose(got, _exact_gradient(forward=True), atol=1e-3)
+
+
+def test_k1_as_a_loss_has_zero_expected_gradient() -> None:
+    torch.testing.assert_close(_expected_loss_gradient("k1"), torch.zeros(5, dtype=torch.float64))

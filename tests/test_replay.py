@@ -13,23 +13,23 @@ import torch
 from rich.console import Console
 from test_store import make_record
 
-from agent_grpo.inspect_run import (
+from agent_grpo.inspect.curves import (
     add_inspect_parser,
     logprob_drift,
     metrics_table,
     recompute_logprobs,
     verify_record,
 )
-from agent_grpo.logprobs import reference_token_logprobs
-from agent_grpo.models import load_model
-from agent_grpo.registry import make_env
-from agent_grpo.replay import (
+from agent_grpo.inspect.replay import (
     add_replay_parser,
     render_group,
     render_trajectory,
     token_rows,
     top_disagreements,
 )
+from agent_grpo.logprobs import reference_token_logprobs
+from agent_grpo.models import load_model
+from agent_grpo.registry import make_env
 from agent_grpo.store import RunDir
 from agent_grpo.trajectory import Message, Provenance, Termination, TrajectoryRecord
 

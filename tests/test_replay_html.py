@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from test_store import make_record
 
-from agent_grpo.replay_html import render_html, write_html
+from agent_grpo.inspect.html import render_html, write_html
 from agent_grpo.trajectory import TrajectoryRecord
 
 ROOT = Path(__file__).resolve().parents[1]

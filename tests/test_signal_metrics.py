@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from agent_grpo.signal_metrics import dead_group_mask, logprob_mismatch, signal_metrics
+from agent_grpo.rollout.summary import summarize_trajectories
+from agent_grpo.train.metrics import dead_group_mask, logprob_mismatch, signal_metrics
 from agent_grpo.trajectory import (
     Lengths,
     Message,
@@ -61,17 +62,18 @@ def test_dead_groups_and_duplicates() -> None:
     ]
     assert dead_group_mask(records) == [False, False, True, True]
     m = signal_metrics(records, advantages=[0.7, -0.7, 0.0, 0.0])
-    assert m["dead_groups"] == 1.0
-    assert m["dead_group_fraction"] == 0.5
-    assert m["duplicate_fraction"] == 0.25  # one of four records repeats a group-mate
-    assert m["reward_mean"] == 0.5
-    assert math.isclose(m["reward_std"], math.sqrt((0.25 + 0.25 + 0 + 0) / 4))
-    assert m["len_above_baseline"] == 2.0 and m["len_below_baseline"] == 1.0
-    assert m["tool_calls_per_traj"] == 0.5
-    assert m["malformed_call_rate"] == 0.5
+    s = summarize_trajectories(records)
+    assert m.dead_groups == 1
+    assert m.dead_group_fraction == 0.5
+    assert m.duplicate_fraction == 0.25  # one of four records repeats a group-mate
+    assert s.reward_mean == 0.5
+    assert math.isclose(s.reward_std, math.sqrt((0.25 + 0.25 + 0 + 0) / 4))
+    assert m.len_above_baseline == 2.0 and m.len_below_baseline == 1.0
+    assert s.tool_calls_per_traj == 0.5
+    assert s.malformed_call_rate == 0.5
     # rewards [1, 0, .5, .5] vs lengths [2, 1, 3, 3]: centred (.5,-.5,0,0)·(-.25,-1.25,.75,.75)
     # = -.125 + .625 = .5; |r| = sqrt(.5), |l| = sqrt(.0625+1.5625+.5625+.5625) = sqrt(2.75)
-    assert math.isclose(m["reward_length_corr"], 0.5 / math.sqrt(0.5 * 2.75))
+    assert math.isclose(m.reward_length_corr, 0.5 / math.sqrt(0.5 * 2.75))
 
 
 def test_logprob_mismatch_ignores_masked_junk() -> None:
@@ -79,5 +81,5 @@ def test_logprob_mismatch_ignores_masked_junk() -> None:
     sampler = torch.tensor([[5.0, -1.5, -2.0], [1.0, -0.25, float("inf")]])
     mask = torch.tensor([[False, True, True], [False, True, False]])
     out = logprob_mismatch(trainer, sampler, mask)
-    assert out["logprob_mismatch_mean"] == pytest.approx((0.5 + 0.0 + 0.25) / 3)
-    assert out["logprob_mismatch_max"] == pytest.approx(0.5)
+    assert out.logprob_mismatch_mean == pytest.approx((0.5 + 0.0 + 0.25) / 3)
+    assert out.logprob_mismatch_max == pytest.approx(0.5)

@@ -7,10 +7,11 @@ import copy
 
 import torch
 
-from agent_grpo.batch import pack_records
-from agent_grpo.train_config import AlgoConfig
+from agent_grpo.train.batch import pack_records
+from agent_grpo.train.config import AlgoConfig
+from agent_grpo.train.parallel import DistContext, wrap_policy
+from agent_grpo.train.update import minibatch_update
 from agent_grpo.trajectory import Lengths, Message, Provenance, Termination, TrajectoryRecord
-from agent_grpo.update import minibatch_update
 
 
 def group_records(
@@ -32,10 +33,11 @@ def group_records(
 
 def update(model: torch.nn.Module, algo: AlgoConfig, records: list[TrajectoryRecord]):
     model = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    metrics, seen = minibatch_update(model, optimizer, pack_records(records, 2), None, None,
-                                     algo, temperature=0.9)  # fmt: skip
-    return model, metrics, seen
+    policy = wrap_policy(model, "none", DistContext())
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    metrics, seen = minibatch_update(policy, optimizer, pack_records(records, 2), None, None,
+                                     algo, temperature=0.9, max_tokens=16)  # fmt: skip
+    return model, metrics.model_dump(), seen
 
 
 def test_fast_paths_give_the_plain_update(tiny_model) -> None:

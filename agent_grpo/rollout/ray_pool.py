@@ -35,8 +35,8 @@ from agent_grpo.rollout.collector import (
     Task,
     collect_groups,
 )
+from agent_grpo.rollout.config import BackendConfig, HFBackendConfig
 from agent_grpo.rollout.factory import build_backend
-from agent_grpo.train_config import BackendConfig, HFBackendConfig
 from agent_grpo.trajectory import TrajectoryRecord
 
 __all__ = ["RayRolloutPool", "RolloutWorker", "merge_metrics", "split_tasks"]
@@ -180,7 +180,7 @@ class RayRolloutPool:
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Send new weights to every worker (one object-store copy); returns once all loaded.
 
-        Pass `policy.state_dict()`, or `agent_grpo.distributed.full_state_dict` under FSDP2.
+        Pass `policy.state_dict()`, or `agent_grpo.train.parallel.full_state_dict` under FSDP2.
         """
         cpu = {k: v.detach().to("cpu") for k, v in state_dict.items()}
         shared = self._ray.put(cpu)

@@ -1,11 +1,8 @@
-"""Trajectory records -> padded tensors, micro-batches sized by token count, and their loss.
+"""Trajectory records -> padded tensors, and micro-batches sized by token count.
 
 Position `t` of every per-token tensor refers to token `t` of the sequence: `loss_mask[b, t]` is
 true when token t was sampled by the policy, and the trainer's logprob at t is that of token t
 given tokens < t. Missing logprobs are NaN in tensors, and every consumer masks before reducing.
-
-The loss helpers at the end are shared by the one-process update (`update.minibatch_update`) and
-the sharded one (`distributed.distributed_minibatch_update`), so both compute the same thing.
 """
 
 from __future__ import annotations
@@ -15,14 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from agent_grpo.grpo import Aggregation, PolicyLossMetrics, policy_loss, truncated_is_weights
-from agent_grpo.train_config import AlgoConfig
 from agent_grpo.trajectory import Provenance, TrajectoryRecord
 
 __all__ = [
     "PackedBatch",
-    "loss_denominator",
-    "micro_batch_loss",
     "micro_batches",
     "micro_batches_by_tokens",
     "pack_records",
@@ -45,6 +38,19 @@ class PackedBatch:
     def num_model_tokens(self) -> int:
         """Tokens that enter the loss."""
         return int(self.loss_mask.sum())
+
+    def to(self, device: torch.device) -> PackedBatch:
+        """The same batch on `device` (itself when it is already there)."""
+        if self.input_ids.device == device:
+            return self
+        return PackedBatch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.loss_mask.to(device),
+            self.sampler_logprobs.to(device),
+            self.advantages.to(device),
+            self.group_index.to(device),
+        )
 
     def select(self, rows: Sequence[int]) -> PackedBatch:
         """The sub-batch of `rows`, trimmed to its own longest sequence."""
@@ -126,20 +132,6 @@ def micro_batches(
     return out
 
 
-# ---- the loss of a minibatch, micro-batch by micro-batch ----------------------------------------
-
-
-def loss_denominator(batch: PackedBatch, aggregation: Aggregation, max_tokens: int) -> int:
-    """What the summed token losses of `batch` are divided by: its model tokens (`token-mean`),
-    its rows with a model token (`seq-mean-token-mean`) or rows x `max_tokens`
-    (`seq-mean-token-sum-norm`). May be 0; callers clamp it after summing over ranks."""
-    if aggregation == "token-mean":
-        return batch.num_model_tokens
-    if aggregation == "seq-mean-token-mean":
-        return int(batch.loss_mask.any(dim=1).sum())
-    return batch.input_ids.shape[0] * max_tokens
-
-
 def rows_with_loss(
     batch: PackedBatch, *, skip_zero_advantage: bool, rows: Sequence[int] | None = None
 ) -> list[int]:
@@ -154,42 +146,3 @@ def rows_with_loss(
         keep &= batch.advantages != 0
     wanted = range(batch.input_ids.shape[0]) if rows is None else rows
     return [r for r in wanted if keep[r]]
-
-
-def micro_batch_loss(
-    logprobs: torch.Tensor,
-    part: PackedBatch,
-    old: torch.Tensor | None,
-    ref: torch.Tensor | None,
-    algo: AlgoConfig,
-    *,
-    loss_mask: torch.Tensor,
-    max_tokens: int,
-    denominator: float,
-) -> tuple[torch.Tensor, PolicyLossMetrics]:
-    """The GRPO loss of micro-batch `part` as a share of its minibatch's (`denominator`).
-
-    `logprobs`, `old`, `ref`, `loss_mask` are `[b, t]`; `old=None` means on-policy: pi_old is
-    `logprobs` detached (ratio 1). Truncated IS weights come from pi_old and the sampler.
-    """
-    part_old = logprobs.detach() if old is None else old  # [b, t]
-    is_weights = (
-        None
-        if algo.tis_cap is None
-        else truncated_is_weights(part_old, part.sampler_logprobs, loss_mask, algo.tis_cap)
-    )  # [b, t]
-    return policy_loss(
-        logprobs,
-        part_old,
-        part.advantages,
-        loss_mask,
-        ref_logprobs=ref,
-        clip_low=algo.clip_low,
-        clip_high=algo.clip_high,
-        beta=algo.beta,
-        kl=algo.kl,
-        aggregation=algo.aggregation,
-        max_tokens=max_tokens,
-        is_weights=is_weights,
-        denominator=denominator,
-    )

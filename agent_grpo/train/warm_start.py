@@ -9,18 +9,22 @@ sampler logprob 0.0, which is exact, not a placeholder.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 
-from agent_grpo.batch import micro_batches_by_tokens, pack_records
+from agent_grpo.env import train_seeds
 from agent_grpo.logprobs import token_logprobs
 from agent_grpo.registry import make_env
 from agent_grpo.tokens import TokenBuilder
+from agent_grpo.train.batch import micro_batches_by_tokens, pack_records
+from agent_grpo.train.config import TrainConfig
+from agent_grpo.train.parallel import autocast
 from agent_grpo.trajectory import Message, Termination, TrajectoryRecord, TurnRecord
 
-__all__ = ["expert_record", "sft_loss", "train_sft"]
+__all__ = ["expert_record", "sft_loss", "train_sft", "warm_start"]
 
 
 def expert_record(
@@ -32,13 +36,13 @@ def expert_record(
         obs, _ = env.reset(seed=seed)
         prompt = [Message.model_validate(m) for m in obs]
         builder = TokenBuilder(tokenizer, prompt)
-        eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        turn_end = builder.turn_end.id  # what closes a sampled turn: the template's, not EOS
         turns: list[TurnRecord] = []
         reward, done = 0.0, False
         kind: Literal["terminated", "truncated"] = "terminated"
         while not done:
             action = env.unwrapped.expert_action()  # type: ignore[attr-defined]
-            ids = [*tokenizer.encode(action, add_special_tokens=False), eos]
+            ids = [*tokenizer.encode(action, add_special_tokens=False), turn_end]
             span = builder.add_model_turn(ids, [0.0] * len(ids))
             turns.append(
                 TurnRecord(
@@ -77,11 +81,17 @@ def expert_record(
     )
 
 
-def sft_loss(model: torch.nn.Module, batch: Any, denominator: int) -> torch.Tensor:
+def sft_loss(
+    model: torch.nn.Module,
+    batch: Any,
+    denominator: int,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Negative log-likelihood summed over model tokens, divided by `denominator`."""
-    logprobs = token_logprobs(
-        model, batch.input_ids, batch.attention_mask, target_mask=batch.loss_mask
-    )  # [B, T]
+    with autocast(batch.input_ids.device, compute_dtype):
+        logprobs = token_logprobs(
+            model, batch.input_ids, batch.attention_mask, target_mask=batch.loss_mask
+        ).float()  # [B, T]
     mask = batch.loss_mask  # [B, T]
     return -torch.where(mask, logprobs, 0.0).sum() / denominator
 
@@ -96,8 +106,12 @@ def train_sft(
     lr: float,
     micro_batch_tokens: int = 4096,
     seed: int = 0,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> list[float]:
-    """Fit the model to the records' model tokens; returns the mean NLL of each optimizer step."""
+    """Fit the model to the records' model tokens; returns the mean NLL of each optimizer step.
+
+    Batches go to the model's device; `compute_dtype` bf16 runs the forward under autocast."""
+    device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(seed)
     losses = []
@@ -106,12 +120,12 @@ def train_sft(
         order = torch.randperm(len(records), generator=generator).tolist()
         for start in range(0, len(order), batch_size):
             chunk = [records[i] for i in order[start : start + batch_size]]
-            batch = pack_records(chunk, pad_id)
+            batch = pack_records(chunk, pad_id).to(device)
             denominator = max(1, batch.num_model_tokens)
             total = 0.0
             lengths = batch.attention_mask.sum(dim=1).tolist()
             for rows in micro_batches_by_tokens(lengths, micro_batch_tokens):
-                loss = sft_loss(model, batch.select(rows), denominator)
+                loss = sft_loss(model, batch.select(rows), denominator, compute_dtype)
                 loss.backward()
                 total += float(loss.detach())
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -120,3 +134,21 @@ def train_sft(
             losses.append(total)
     model.eval()
     return losses
+
+
+def warm_start(
+    config: TrainConfig, policy: torch.nn.Module, tokenizer: Any, compute_dtype: torch.dtype
+) -> list[float]:
+    """The configured supervised pass on expert demonstrations from training seeds."""
+    assert config.warm_start is not None
+    ws = config.warm_start
+    rng = random.Random(f"{config.seed}/warm-start")
+    demos = [
+        expert_record(tokenizer, config.env.id, s, config.env.kwargs)
+        for s in train_seeds(ws.demos, rng)
+    ]
+    return train_sft(
+        policy, demos, pad_id=tokenizer.pad_token_id, epochs=ws.epochs,
+        batch_size=ws.batch_size, lr=ws.lr, micro_batch_tokens=config.algo.micro_batch_tokens,
+        seed=config.seed, compute_dtype=compute_dtype,
+    )  # fmt: skip

@@ -49,18 +49,20 @@ COLUMNS: list[tuple[str, tuple[str, ...]]] = [
     ("reward", ("reward_mean",)),
     ("reward std", ("reward_std",)),
     ("success", ("success_rate",)),
-    ("dead groups", ("dead_group_fraction", "dead_groups")),
+    ("dead groups", ("dead_group_fraction",)),
+    ("excluded", ("excluded_trajectories",)),
     ("model tok", ("model_tokens_mean",)),
     ("turns", ("turns_mean",)),
     ("tool calls", ("tool_calls_per_traj",)),
     ("tool errors", ("tool_errors",)),
     ("truncated", ("truncated_fraction",)),
-    ("KL ref", ("kl_ref", "kl_ref_mean")),
-    ("clip frac", ("clip_frac", "clip_fraction")),
+    ("KL ref", ("kl_ref",)),
+    ("clip frac", ("clip_frac",)),
     ("lp mismatch", ("logprob_mismatch_mean",)),
     ("eval success", ("eval_success_rate",)),
 ]
-"""Table columns: (header, accepted metric keys, canonical first)."""
+"""Table columns: (header, metric keys). The keys are `StepMetrics` / `EvalResult.row()` field
+names; a tuple so that a renamed metric can keep reading old runs."""
 
 PLOTS = ["reward", "success", "model tok", "KL ref", "clip frac", "lp mismatch"]
 """The columns drawn as curves in the PNG, one panel each."""

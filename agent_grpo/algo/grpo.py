@@ -17,11 +17,16 @@ Where we depart from the papers, and why:
   paper's form is `seq-mean-token-mean`; Dr. GRPO's length-unbiased form is
   `seq-mean-token-sum-norm`.
 - DeepSeekMath puts the KL in the loss with the k3 estimator and beta=0.04. We default to beta=0
-  (DAPO, Dr. GRPO: no reference model to keep in memory) and offer k1/k2/k3.
+  (DAPO, Dr. GRPO: no reference model to keep in memory) and, when beta > 0, to k2: as a loss,
+  k2's expected gradient is that of KL(pi || pi_ref), k3's is that of the reverse KL and k1's is
+  zero (see `kl_penalty`). All three stay available. The logged `kl_ref` is always the k3 value
+  (an unbiased, non-negative estimate of KL(pi || pi_ref)), whichever estimator is in the loss.
 - DAPO's clip-higher is `clip_high > clip_low`; both default to PPO's symmetric 0.2.
 - Dr. GRPO drops the division by the group std: `scale="none"`. RLOO's leave-one-out baseline is
-  `leave_one_out=True`; combined with `scale="group"` it is still divided by the whole group's
-  std, a choice of ours (RLOO itself does not scale).
+  `leave_one_out=True`, unscaled as published unless `scale="group"` is asked for explicitly.
+- Members whose episode failed for a reason outside the policy (env exception or timeout, failed
+  generation) or whose reward is not finite are left out of their group's statistics and get
+  advantage 0 (`group_advantages(valid=...)`); the papers have no such members.
 - Groups whose rewards are all equal (or that have one member) get advantage exactly 0 rather
   than `0 / eps` noise; they contribute no policy gradient, only their KL term if beta > 0.
 - `is_weights` applies truncated importance sampling (Yao et al., "Your efficient RL framework
@@ -67,6 +72,7 @@ def group_advantages(
     rewards: Tensor,
     group_ids: Tensor | Sequence[Hashable],
     *,
+    valid: Tensor | None = None,
     scale: Literal["group", "none"] = "group",
     leave_one_out: bool = False,
     eps: float = 1e-6,
@@ -75,35 +81,56 @@ def group_advantages(
 
     `std_g` is the unbiased (n - 1) sample std of group g. `scale="none"` drops the division
     (Dr. GRPO). `leave_one_out=True` uses the mean of the *other* members as the baseline (RLOO),
-    `r_i - (sum_g - r_i) / (n - 1) = n / (n - 1) * (r_i - mean_g)`, still divided by `std_g`
-    when `scale="group"`. Groups of one and groups with all-equal rewards get exactly 0.
+    `r_i - (sum_g - r_i) / (n - 1) = n / (n - 1) * (r_i - mean_g)`; RLOO as published does not
+    divide, so pair it with `scale="none"` (the config does unless told otherwise).
+
+    `valid` ([B] bool, default all True) marks the members that count: an invalid member (an
+    infrastructure failure, a non-finite reward) is left out of its group's mean, std and `n`,
+    and gets advantage exactly 0; its reward may be anything, NaN included. Groups with fewer
+    than 2 valid members and groups whose valid rewards are all equal get exactly 0.
     Group ids need not be contiguous or sorted.
     """
     rewards = rewards.to(torch.float64)  # [B]; fp64: std of large, close rewards stays precise
+    keep = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()  # [B]
+    keep = keep & torch.isfinite(rewards)  # [B]
+    rewards = torch.where(keep, rewards, 0.0)  # [B]; junk never reaches a sum
     index = _group_index(group_ids, rewards.device)  # [B]
     num_groups = int(index.max()) + 1 if index.numel() else 0
     zeros = rewards.new_zeros(num_groups)  # [G]
-    count = zeros.index_add(0, index, torch.ones_like(rewards))  # [G]
-    total = zeros.index_add(0, index, rewards)  # [G]
-    mean = total / count  # [G]
-    centered = rewards - mean[index]  # [B]
+    count = zeros.index_add(0, index, keep.to(rewards.dtype))  # [G] valid members
+    mean = zeros.index_add(0, index, rewards) / count.clamp(min=1)  # [G]
+    centered = torch.where(keep, rewards - mean[index], 0.0)  # [B]
     var = zeros.index_add(0, index, centered**2) / (count - 1).clamp(min=1)  # [G]
     std = var.sqrt()[index]  # [B]
     n = count[index]  # [B]
     if leave_one_out:
         centered = centered * n / (n - 1).clamp(min=1)  # [B]
     advantages = centered / (std + eps) if scale == "group" else centered  # [B]
-    high = zeros.scatter_reduce(0, index, rewards, "amax", include_self=False)  # [G]
-    low = zeros.scatter_reduce(0, index, rewards, "amin", include_self=False)  # [G]
-    degenerate = (n < 2) | (high == low)[index]  # [B]
+    high = zeros.scatter_reduce(0, index, torch.where(keep, rewards, -torch.inf), "amax",
+                                include_self=False)  # fmt: skip  # [G]
+    low = zeros.scatter_reduce(0, index, torch.where(keep, rewards, torch.inf), "amin",
+                               include_self=False)  # fmt: skip  # [G]
+    degenerate = ~keep | (n < 2) | (high == low)[index]  # [B]
     return torch.where(degenerate, 0.0, advantages).to(torch.float32)  # [B]
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k3") -> Tensor:
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k2") -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman's k1/k2/k3).
 
-    With `d = logp_ref - logp`: k1 = -d (unbiased, can be negative), k2 = d^2 / 2 (biased, low
-    variance), k3 = exp(d) - d - 1 (unbiased, always >= 0). Same shape as the inputs.
+    With `d = logp_ref - logp`: k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1. Same shape as the
+    inputs. As *values*, k1 and k3 are unbiased estimates of KL(pi || pi_ref) (k3 is also >= 0);
+    k2 is biased. As a *loss* (differentiated through `logp` with the sampled token held fixed,
+    which is how the policy loss uses them), their expected gradients under y ~ pi are:
+
+    - k1: `grad logp`, whose expectation is 0. k1 in the loss does nothing but add variance.
+    - k2: `(logp - logp_ref) grad logp`, whose expectation is exactly `grad KL(pi || pi_ref)`.
+      This is the estimator that does what `beta * KL(pi || pi_ref)` promises.
+    - k3: `(1 - pi_ref / pi) grad logp`, whose expectation is `grad KL(pi_ref || pi)`: the reverse
+      KL's gradient, not the forward one (DeepSeekMath's choice; close to k2's near pi = pi_ref).
+
+    `tests/test_grpo.py` checks all three against the exact gradients of a small categorical
+    policy. The statements hold on-policy (the first pass over a batch); later epochs sample
+    from pi_old, not pi, and every estimator is then off by the ratio.
     """
     d = ref_logprobs - logprobs  # [B, T]
     if kind == "k1":
@@ -140,7 +167,8 @@ class PolicyLossMetrics:
     approx_kl_old: float
     """Mean k3 estimate of KL(pi_old || pi) over trained tokens: how far this update has moved."""
     kl_ref: float | None
-    """Mean of the chosen estimator of KL(pi || pi_ref) over trained tokens; None without ref."""
+    """Mean k3 estimate of KL(pi || pi_ref) over trained tokens, whichever estimator the loss
+    uses (k3's value is unbiased and >= 0); None without a reference."""
     ratio_mean: float
     """Mean of pi / pi_old over trained tokens (1.0 when there are none)."""
     ratio_min: float
@@ -217,7 +245,7 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     beta: float = 0.0,
-    kl: KLKind = "k3",
+    kl: KLKind = "k2",
     aggregation: Aggregation = "token-mean",
     max_tokens: int | None = None,
     is_weights: Tensor | None = None,
@@ -254,9 +282,9 @@ def policy_loss(
     kl_ref = None
     if ref_logprobs is not None:
         ref = torch.where(mask, ref_logprobs.detach(), 0.0)  # [B, T]
-        kl_ref = kl_penalty(logprobs, ref, kl)  # [B, T]
         if beta != 0.0:
-            per_token = per_token + beta * kl_ref  # [B, T]
+            per_token = per_token + beta * kl_penalty(logprobs, ref, kl)  # [B, T]
+        kl_ref = kl_penalty(logprobs.detach(), ref, "k3")  # [B, T], for the metric only
     elif beta != 0.0:
         raise ValueError("beta != 0 needs ref_logprobs")
     loss = _aggregate(per_token, mask, aggregation, max_tokens, denominator)

@@ -6,13 +6,20 @@ the generation backend (`hf`, `vllm`, `openai`) and each extra reward source.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from agent_grpo.algo.config import AlgoConfig
 from agent_grpo.config import ConfigModel
 from agent_grpo.rewards import RewardSourceConfig
-from agent_grpo.rollout.backend import SamplingConfig
+from agent_grpo.rollout.config import (
+    BackendConfig,
+    HFBackendConfig,
+    OpenAIBackendConfig,
+    RolloutConfig,
+    VLLMBackendConfig,
+)
 
 __all__ = [
     "AlgoConfig",
@@ -38,7 +45,11 @@ class ModelConfig(ConfigModel):
     name_or_path: str = "smollm2-135m-instruct"
     """An embedded model name, a local Hugging Face directory, or a Hugging Face hub id."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype of the policy and reference model."""
+    """Compute dtype of the forward passes (training and `hf` sampling). Parameters, and so the
+    optimizer's master weights, stay fp32; bfloat16 runs under autocast."""
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where the policy, the reference and every batch tensor live: `auto` (this rank's GPU if
+    CUDA is available, else the CPU), `cpu`, `cuda` (this rank's GPU) or `cuda:N`."""
 
 
 class EnvConfig(ConfigModel):
@@ -48,118 +59,6 @@ class EnvConfig(ConfigModel):
     """Registered gymnasium id or `package.module:Class`."""
     kwargs: dict[str, Any] = {}
     """Keyword arguments for the environment constructor (e.g. max_turns, difficulty)."""
-
-
-class HFBackendConfig(ConfigModel):
-    """Generate with transformers in the training process (shares the policy's weights)."""
-
-    type: Literal["hf"] = "hf"
-    """Backend name."""
-    max_batch_size: int = 64
-    """Most sequences decoded together."""
-
-
-class VLLMBackendConfig(ConfigModel):
-    """Generate with an in-process vLLM engine; weights are pushed after each optimizer step."""
-
-    type: Literal["vllm"] = "vllm"
-    """Backend name."""
-    max_model_len: int = 4096
-    """Longest sequence the engine accepts."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of accelerator memory vLLM may take (the trainer needs the rest)."""
-    engine_kwargs: dict[str, Any] = {}
-    """Extra `vllm.LLM` arguments."""
-
-
-class OpenAIBackendConfig(ConfigModel):
-    """Generate with a remote OpenAI-compatible completions server (e.g. `vllm serve`)."""
-
-    type: Literal["openai"] = "openai"
-    """Backend name."""
-    base_url: str
-    """Server root, e.g. http://127.0.0.1:8000."""
-    model: str
-    """Model name the server serves."""
-    timeout_s: float = 120.0
-    """Per-request timeout."""
-    max_retries: int = 3
-    """Retries on connection errors, 429 and 5xx."""
-    max_concurrency: int = 16
-    """Requests in flight at once."""
-
-
-BackendConfig = Annotated[
-    HFBackendConfig | VLLMBackendConfig | OpenAIBackendConfig, Field(discriminator="type")
-]
-
-
-class RolloutConfig(ConfigModel):
-    """How groups are sampled each step."""
-
-    backend: BackendConfig = HFBackendConfig()
-    """Generation engine."""
-    tasks_per_step: int = 8
-    """Distinct tasks (prompts) per step."""
-    group_size: int = 8
-    """G: samples per task."""
-    max_context_tokens: int = 1024
-    """Longest episode in tokens."""
-    env_step_timeout_s: float = 60.0
-    """Deadline for one environment step."""
-    sampling: SamplingConfig = SamplingConfig()
-    """Sampling settings for training rollouts."""
-
-
-class AlgoConfig(ConfigModel):
-    """GRPO: group-relative advantages and a PPO-clipped token loss."""
-
-    type: Literal["grpo"] = "grpo"
-    """Algorithm name."""
-    scale: Literal["group", "none"] = "group"
-    """Divide advantages by the group std (`group`) or not (`none`, Dr. GRPO)."""
-    leave_one_out: bool = False
-    """Baseline is the mean of the other samples (RLOO) instead of the group mean."""
-    clip_low: float = 0.2
-    """Lower clip: ratios below 1 - clip_low stop pushing down."""
-    clip_high: float = 0.2
-    """Upper clip: ratios above 1 + clip_high stop pushing up (DAPO raises it to 0.28)."""
-    beta: float = 0.0
-    """Weight of KL(pi || pi_ref); 0 skips the reference model entirely."""
-    kl: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator."""
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
-    )
-    """How per-token losses become one number."""
-    max_tokens: int | None = None
-    """Normaliser for `seq-mean-token-sum-norm` (defaults to the longest model span)."""
-    lr: float = 1e-5
-    """AdamW learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm."""
-    epochs: int = 1
-    """Passes over each step's batch (ratios leave 1 only from the second pass on)."""
-    minibatches: int = 1
-    """Optimizer steps per epoch; the batch is split into this many minibatches."""
-    micro_batch_tokens: int = 4096
-    """Most tokens per forward/backward; gradients are accumulated across micro-batches."""
-    shared_prefix: bool = True
-    """Run the backbone once over each group's shared prompt (same result, less compute)."""
-    skip_zero_advantage: bool = True
-    """With beta = 0, skip the forward pass of rows with zero advantage (they add exactly 0)."""
-    old_logprobs: Literal["trainer", "sampler"] = "trainer"
-    """Where pi_old comes from: recomputed by the trainer, or the sampler's logprobs."""
-    tis_cap: float | None = None
-    """Cap of truncated importance sampling weights exp(trainer - sampler); None disables."""
-    drop_dead_groups: bool = False
-    """Leave zero-variance groups out of the loss denominator."""
-    dynamic_sampling: bool = False
-    """Oversample tasks until the batch has `tasks_per_step` groups with reward variance."""
-    dynamic_sampling_max_rounds: int = 3
-    """Most extra collection rounds per step for dynamic sampling."""
 
 
 class WarmStartConfig(ConfigModel):
@@ -219,7 +118,7 @@ class TrainConfig(ConfigModel):
 
     seed: int = 0
     """Seed for task sampling, sampling and initialisation."""
-    steps: int = 10
+    steps: int = Field(default=10, ge=0)
     """GRPO steps."""
     model: ModelConfig = ModelConfig()
     """Policy model."""
@@ -239,6 +138,22 @@ class TrainConfig(ConfigModel):
     """Output location and checkpointing."""
     distributed: DistributedConfig = DistributedConfig()
     """One process, or DDP / FSDP2 under torchrun."""
+
+    @model_validator(mode="after")
+    def _learnable(self) -> TrainConfig:
+        rows = self.rollout.tasks_per_step * self.rollout.group_size
+        if self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={self.rollout.group_size}: GRPO's advantage is relative to "
+                "the other members of a group, so a group of one never learns; use 2 or more"
+            )
+        if self.algo.minibatches > rows:
+            raise ValueError(
+                f"algo.minibatches={self.algo.minibatches} is more than the {rows} trajectories "
+                "of a step (rollout.tasks_per_step x rollout.group_size): some minibatches "
+                "would be empty"
+            )
+        return self
 
     @model_validator(mode="after")
     def _trainable_backend(self) -> TrainConfig:

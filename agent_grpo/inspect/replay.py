@@ -11,7 +11,7 @@ the sampler's logprobs is dominated by the mismatch, not by the policy update.
 `--verify` replays the environment from the record's seed with the recorded assistant texts and
 checks that it reproduces every observation and the reward; `--recompute-logprobs` scores the
 record's tokens with a checkpoint and reports how far those logprobs drift from the recorded ones
-(both implemented in `agent_grpo.inspect_run`).
+(both implemented in `agent_grpo.inspect.curves`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from agent_grpo.inspect_run import (
+from agent_grpo.inspect.curves import (
     add_inspect_parser,
     drift_table,
     logprob_drift,
@@ -417,7 +417,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         console.print("no records match")
         return 1
     if args.html is not None:
-        from agent_grpo.replay_html import write_html
+        from agent_grpo.inspect.html import write_html
 
         write_html(
             args.html, records, load_run_tokenizer(run), clip_eps=args.clip_eps, title=run.run_id

@@ -1,14 +1,16 @@
-"""Data-parallel training on torch.distributed: DDP or FSDP2, launched by `torchrun`.
+"""Parallelism as a wrapper: the policy as a `LogprobModel`, under DDP or FSDP2 on W ranks.
 
-Nothing here is a cluster: `torchrun` starts the processes and sets `RANK`, `WORLD_SIZE`,
-`LOCAL_RANK`; DDP or FSDP2 (`fully_shard`) syncs gradients. This module only adds what GRPO needs
-on top: a split of the global batch by GRPO group and the normalisation that makes N processes take
-exactly the step one process would take over the same global batch.
+The update (`agent_grpo/train/update.py`) is one piece of code for 1..W processes. This module
+gives it what varies: `DistContext` (rank, world size, device), collectives that are no-ops in
+one process, the split of a global batch by GRPO group, and the wrapping of the policy. Nothing
+here is a cluster: `torchrun` starts the processes and sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`;
+DDP or FSDP2 (`fully_shard`) syncs gradients.
 
-The rule, for `token-mean` (other aggregations swap "tokens" for their own count). One process
-over the global batch minimises `L = sum_i l_i / N`, where `l_i` is token i's loss and `N` the
-global number of model tokens, so its gradient is `g = sum_i grad l_i / N`. Rank r holds the
-tokens `S_r` (the `S_r` partition the batch) and backpropagates
+The rule that makes N processes take exactly the step one process takes, for `token-mean`
+(other aggregations swap "tokens" for their own count). One process over the global batch
+minimises `L = sum_i l_i / N`, where `l_i` is token i's loss and `N` the global number of model
+tokens, so its gradient is `g = sum_i grad l_i / N`. Rank r holds the tokens `S_r` (the `S_r`
+partition the batch) and backpropagates
 
     L_r = W * sum_{i in S_r} l_i / N        (N all-reduced, W = world size)
 
@@ -19,8 +21,6 @@ DDP and FSDP2 *average* gradients over ranks, so every rank ends with
 Per-rank means (`N_r` in place of `N`, no `W`) give `(1/W) * sum_r sum_{S_r} grad l_i / N_r`,
 which weights a token by `1 / (W * N_r)`: tokens on the rank with fewer model tokens count more,
 and the step depends on how rows were dealt out. `tests/test_distributed.py` shows both.
-The same all-reduced denominator is used for `seq-mean-token-mean` (sequences with at least one
-model token) and `seq-mean-token-sum-norm` (`rows * max_tokens`, with the global longest span).
 
 Gradient clipping uses the global norm: DDP grads are already the averaged `g` on every rank;
 FSDP2 grads are DTensor shards whose per-shard norms `clip_grad_norm` combines with `full_tensor()`.
@@ -28,7 +28,11 @@ FSDP2 grads are DTensor shards whose per-shard norms `clip_grad_norm` combines w
 Where we depart from common practice:
 - The policy is wrapped together with `token_logprobs` (`LogprobModel`), so DDP's and FSDP2's
   forward hooks run even though we never call the LM's own `forward` (it would build the full
-  `[B, T, V]` logits that `token_logprobs` avoids).
+  `[B, T, V]` logits that `token_logprobs` avoids). In one process it is wrapped the same way,
+  so the update never asks which kind of run it is in.
+- `model.dtype: bfloat16` keeps fp32 parameters (the optimizer's master weights) and runs the
+  forward under bf16 autocast inside `LogprobModel`: AdamW on bf16 weights loses updates of
+  size `lr` (0.02 + 1e-5 is 0.02 in bf16).
 - Every rank runs the same number of micro-batches: a rank with fewer (or no) rows runs one row
   again with an empty loss mask (zero loss, zero gradient). FSDP2 all-gathers in every forward,
   so unequal counts would deadlock; verl and TRL drop or pad rows instead.
@@ -36,8 +40,7 @@ Where we depart from common practice:
   (see `wrap_policy`). DDP keeps it.
 - Whole GRPO groups are dealt round-robin to ranks (so a group's shared prompt is run once, on
   one rank), not balanced by tokens: simple and deterministic.
-- pi_old and pi_ref passes (`distributed_batch_logprobs`) are split the same way; the reference
-  is sharded under FSDP2 and a whole copy per rank under DDP (DDP only wraps modules that train).
+- The reference is sharded under FSDP2 and a whole copy per rank otherwise.
 - State moves as whole tensors: `broadcast_module` (rank 0's weights before wrapping),
   `full_optimizer_state` (all-gathered on every rank, for a one-process-layout checkpoint) and
   `load_full_optimizer_state` (every rank gets the whole state and keeps its shards). Simple, and
@@ -48,7 +51,6 @@ Where we depart from common practice:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import os
 from collections.abc import Iterable, Iterator
@@ -59,16 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from agent_grpo.batch import (
-    PackedBatch,
-    loss_denominator,
-    micro_batch_loss,
-    micro_batches,
-    rows_with_loss,
-)
-from agent_grpo.grpo import PolicyLossMetrics
 from agent_grpo.logprobs import micro_batch_logprobs
-from agent_grpo.train_config import AlgoConfig
 
 __all__ = [
     "DistContext",
@@ -77,16 +70,14 @@ __all__ = [
     "broadcast_module",
     "broadcast_object",
     "clip_grad_norm",
-    "distributed_batch_logprobs",
-    "distributed_minibatch_update",
     "full_optimizer_state",
     "full_state_dict",
-    "global_denominator",
     "global_max",
-    "global_metrics",
     "global_sum",
+    "grad_sync",
     "init_distributed",
     "load_full_optimizer_state",
+    "resolve_device",
     "shard_rows",
     "unwrap_policy",
     "wrap_policy",
@@ -121,26 +112,41 @@ class DistContext:
         return self.world_size > 1
 
 
-def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> DistContext:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """`model.device` as a torch device: `auto` is this rank's GPU when CUDA is available, else
+    the CPU; `cuda` is this rank's GPU; `cuda:N` and `cpu` are themselves."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", local_rank)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device={name} but CUDA is not available on this machine")
+    return device
+
+
+def init_distributed(
+    backend: str | None = None, timeout_s: float | None = None, device: str = "auto"
+) -> DistContext:
     """Read the `torchrun` variables and join the process group (no-op for a single process).
 
-    `backend` defaults to nccl when CUDA is available and gloo otherwise; `timeout_s` bounds every
-    collective (torch's default: 10 min for nccl, 30 for gloo).
+    `device` is `model.device` (`resolve_device`). `backend` defaults to nccl on CUDA and gloo
+    otherwise; `timeout_s` bounds every collective (torch's default: 10 min nccl, 30 gloo).
     """
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    placed = resolve_device(device, local_rank)
+    cuda = placed.type == "cuda"
     if cuda:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(placed)
     if world_size > 1 and not dist.is_initialized():
         chosen = backend or ("nccl" if cuda else "gloo")
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
-            chosen, device_id=device if chosen == "nccl" else None, timeout=timeout
+            chosen, device_id=placed if chosen == "nccl" else None, timeout=timeout
         )
-    return DistContext(rank, world_size, local_rank, device)
+    return DistContext(rank, world_size, local_rank, placed)
 
 
 # ---- collectives and the row split --------------------------------------------------------------
@@ -196,29 +202,23 @@ def shard_rows(n_rows: int, ctx: DistContext, group_index: Tensor | None = None)
     return [r for r in range(n_rows) if order[ids[r]] % ctx.world_size == ctx.rank]
 
 
-def global_denominator(
-    batch: PackedBatch, rows: list[int], algo: AlgoConfig, ctx: DistContext
-) -> tuple[float, int]:
-    """The loss denominator of the whole global batch (summed over ranks' `rows`), and the
-    longest model span (`max_tokens` of `seq-mean-token-sum-norm`) unless `algo` fixes it."""
-    local = batch.select(rows) if rows else None
-    span = int(local.loss_mask.sum(dim=1).max()) if local else 0
-    max_tokens = algo.max_tokens or int(global_max(torch.tensor(span), ctx))
-    count = loss_denominator(local, algo.aggregation, max_tokens) if local else 0
-    total = float(global_sum(torch.tensor(count, dtype=torch.float64), ctx))
-    return max(1.0, total), max_tokens
-
-
 # ---- wrapping -----------------------------------------------------------------------------------
 
 
 class LogprobModel(nn.Module):
-    """A causal LM whose `forward` is `micro_batch_logprobs`, so DDP/FSDP hooks wrap every call."""
+    """A causal LM whose `forward` is `micro_batch_logprobs`, so DDP/FSDP hooks wrap every call;
+    with a `compute_dtype` other than the parameters' it runs under autocast."""
 
-    def __init__(self, lm: nn.Module, allow_shared_prefix: bool = True) -> None:
+    def __init__(
+        self,
+        lm: nn.Module,
+        allow_shared_prefix: bool = True,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.lm = lm
         self.allow_shared_prefix = allow_shared_prefix
+        self.compute_dtype = compute_dtype
 
     def forward(
         self,
@@ -228,15 +228,23 @@ class LogprobModel(nn.Module):
         temperature: float,
         shared_prefix: bool,
     ) -> Tensor:
-        """`micro_batch_logprobs` of the LM: `[b, t]`, 0 off `target_mask`."""
-        return micro_batch_logprobs(
-            self.lm,
-            input_ids,
-            attention_mask,
-            target_mask,
-            temperature=temperature,
-            shared_prefix=shared_prefix and self.allow_shared_prefix,
-        )
+        """`micro_batch_logprobs` of the LM: `[b, t]` fp32, 0 off `target_mask`."""
+        with autocast(input_ids.device, self.compute_dtype):
+            return micro_batch_logprobs(
+                self.lm,
+                input_ids,
+                attention_mask,
+                target_mask,
+                temperature=temperature,
+                shared_prefix=shared_prefix and self.allow_shared_prefix,
+            ).float()
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast on `device` when `dtype` is bf16 (fp32 parameters stay fp32), else nothing."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def _decoder_layers(lm: nn.Module) -> list[nn.Module]:
@@ -248,8 +256,14 @@ def _decoder_layers(lm: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def wrap_policy(model: nn.Module, mode: WrapMode, ctx: DistContext) -> nn.Module:
-    """`LogprobModel(model)` on `ctx.device`, under DDP or FSDP2 (each decoder layer, then root).
+def wrap_policy(
+    model: nn.Module,
+    mode: WrapMode,
+    ctx: DistContext,
+    compute_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """`LogprobModel(model)` on `ctx.device`: alone (`none`, one process), under DDP, or under
+    FSDP2 (each decoder layer, then the root).
 
     FSDP2 shards `model` in place (its parameters become DTensors); build the optimizer from the
     returned module's parameters after wrapping.
@@ -258,7 +272,7 @@ def wrap_policy(model: nn.Module, mode: WrapMode, ctx: DistContext) -> nn.Module
         raise ValueError(f"mode {mode!r} does not fit world_size {ctx.world_size}")
     # FSDP2 all-gathers a layer at each call; the shared-prefix pass calls every layer twice, but
     # only for micro-batches of 2+ rows, so ranks would issue different collectives and hang.
-    wrapped = LogprobModel(model.to(ctx.device), allow_shared_prefix=mode != "fsdp")
+    wrapped = LogprobModel(model.to(ctx.device), mode != "fsdp", compute_dtype)
     if mode == "none":
         return wrapped
     if mode == "ddp":
@@ -280,10 +294,16 @@ def _fully_shard(wrapped: LogprobModel) -> LogprobModel:
     return wrapped
 
 
-def wrap_reference(model: nn.Module, mode: WrapMode, ctx: DistContext) -> nn.Module:
-    """A frozen `LogprobModel(model)` for `distributed_batch_logprobs`: sharded like the policy
+def wrap_reference(
+    model: nn.Module,
+    mode: WrapMode,
+    ctx: DistContext,
+    compute_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """A frozen `LogprobModel(model)` for `update.batch_logprobs`: sharded like the policy
     under FSDP2, a whole copy per rank otherwise (DDP only wraps modules that train)."""
-    wrapped = LogprobModel(model.requires_grad_(False).to(ctx.device), mode != "fsdp")
+    frozen = model.requires_grad_(False).to(ctx.device)
+    wrapped = LogprobModel(frozen, mode != "fsdp", compute_dtype)
     return _fully_shard(wrapped) if mode == "fsdp" else wrapped
 
 
@@ -353,167 +373,13 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> Tenso
     return total
 
 
-# ---- the sharded minibatch update ---------------------------------------------------------------
-
-
-def _to_device(batch: PackedBatch, device: torch.device) -> PackedBatch:
-    fields = dataclasses.fields(batch)
-    return PackedBatch(**{f.name: getattr(batch, f.name).to(device) for f in fields})
-
-
-def _local_micro_batches(
-    batch: PackedBatch, rows: list[int], algo: AlgoConfig, ctx: DistContext
-) -> list[tuple[list[int], bool]]:
-    """This rank's micro-batches as (global rows, trains?), padded to the ranks' largest count.
-
-    A padding micro-batch reruns one row with its loss masked out (see module doc).
-    """
-    local = micro_batches(batch, algo.micro_batch_tokens, by_group=algo.shared_prefix, rows=rows)
-    count = int(global_max(torch.tensor(len(local)), ctx))
-    filler = [rows[-1] if rows else 0]
-    return [(g, True) for g in local] + [(filler, False)] * (count - len(local))
-
-
 @contextlib.contextmanager
-def _grad_sync(policy: nn.Module, enabled: bool) -> Iterator[None]:
+def grad_sync(policy: nn.Module, enabled: bool) -> Iterator[None]:
     """DDP: all-reduce only on the last micro-batch. FSDP2 reduce-scatters every backward,
-    which keeps gradients sharded (accumulating unsharded would cost the memory FSDP saves)."""
+    which keeps gradients sharded (accumulating unsharded would cost the memory FSDP saves);
+    one process has nothing to sync."""
     if enabled or not isinstance(policy, nn.parallel.DistributedDataParallel):
         yield
         return
     with policy.no_sync():
         yield
-
-
-def _micro_batch_loss(
-    policy: nn.Module,
-    part: PackedBatch,
-    trains: bool,
-    old: Tensor | None,
-    ref: Tensor | None,
-    algo: AlgoConfig,
-    temperature: float,
-    scale: tuple[int, float],
-) -> tuple[Tensor, Tensor, PolicyLossMetrics]:
-    """Logprobs `[b, t]`, loss and metrics of one micro-batch, as in `update.minibatch_update`.
-
-    `scale` is (max_tokens, denominator) of the global minibatch. A padding micro-batch
-    (`trains=False`) scores every real token, so every parameter is in the graph (DDP needs
-    that), and masks all of them out of the loss.
-    """
-    mask = part.loss_mask if trains else torch.zeros_like(part.loss_mask)  # [b, t]
-    targets = part.loss_mask if trains else part.attention_mask.bool()  # [b, t]
-    logprobs = policy(
-        part.input_ids, part.attention_mask, targets, temperature, algo.shared_prefix
-    )  # [b, t]
-    loss, metrics = micro_batch_loss(
-        logprobs, part, old, ref, algo, loss_mask=mask, max_tokens=scale[0], denominator=scale[1]
-    )
-    return logprobs, loss, metrics
-
-
-def global_metrics(
-    parts: list[tuple[float, dict[str, float]]], ctx: DistContext
-) -> dict[str, float]:
-    """Merge (model tokens, metrics) of all ranks' micro-batches as `train.merge_metrics` does:
-    loss and num_tokens add up, ratio_min/max are the extremes over micro-batches with tokens
-    (1.0 if none has one), the rest are token-weighted means."""
-    keys, summed = list(parts[0][1]), ("loss", "num_tokens")
-    local = torch.zeros(len(keys) + 1, dtype=torch.float64)  # [K + 1]; last: total tokens
-    for weight, metrics in parts:
-        row = [metrics[k] * (1 if k in summed else weight) for k in keys]
-        local += torch.tensor([*row, weight], dtype=torch.float64)
-    added: list[float] = global_sum(local, ctx).tolist()
-    out = {k: added[i] / (1 if k in summed else added[-1] or 1) for i, k in enumerate(keys)}
-    live = [m for w, m in parts if w > 0]
-    low = min((m["ratio_min"] for m in live), default=float("inf"))
-    high = max((m["ratio_max"] for m in live), default=float("-inf"))
-    low = -float(global_max(torch.tensor(-low, dtype=torch.float64), ctx))  # min = -max(-x)
-    high = float(global_max(torch.tensor(high, dtype=torch.float64), ctx))
-    out["ratio_min"] = low if low != float("inf") else 1.0
-    out["ratio_max"] = high if high != float("-inf") else 1.0
-    return out
-
-
-def _gather_rows(values: Tensor, written: Tensor, ctx: DistContext) -> Tensor:
-    """Every rank's rows of a `[B, T]` tensor (each row written by one rank); NaN where none."""
-    total = global_sum(values, ctx)  # [B, T]
-    return torch.where(global_sum(written, ctx) > 0, total, float("nan"))  # [B, T]
-
-
-def distributed_minibatch_update(
-    policy: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: PackedBatch,
-    old: Tensor | None,
-    ref: Tensor | None,
-    algo: AlgoConfig,
-    temperature: float,
-    ctx: DistContext,
-) -> tuple[dict[str, float], Tensor]:
-    """`update.minibatch_update` over this rank's groups of a global minibatch (same step, any W).
-
-    Every rank passes the same global `batch`, `old`, `ref` (`[B, T]`; `old=None`: on-policy) and
-    a `wrap_policy` module. Returns the global metrics and the trainer logprobs `[B, T]` of the
-    rows that were run (NaN elsewhere), identical on every rank.
-    """
-    rows = shard_rows(batch.input_ids.shape[0], ctx, batch.group_index)
-    denominator, max_tokens = global_denominator(batch, rows, algo, ctx)
-    skip = algo.skip_zero_advantage and ref is None
-    micro = _local_micro_batches(
-        batch, rows_with_loss(batch, skip_zero_advantage=skip, rows=rows), algo, ctx
-    )
-    seen = torch.zeros(batch.input_ids.shape)  # [B, T]
-    written = torch.zeros(batch.input_ids.shape)  # [B, T]
-    parts: list[tuple[float, dict[str, float]]] = []
-    for k, (group, trains) in enumerate(micro):
-        part = _to_device(batch.select(group), ctx.device)
-        width = part.input_ids.shape[1]
-        old_part, ref_part = (
-            None if x is None else x[group, :width].to(ctx.device) for x in (old, ref)
-        )
-        with _grad_sync(policy, enabled=k == len(micro) - 1):
-            logprobs, loss, metrics = _micro_batch_loss(
-                policy,
-                part,
-                trains,
-                old_part,
-                ref_part,
-                algo,
-                temperature,
-                (max_tokens, denominator),
-            )
-            (loss * ctx.world_size).backward()  # DDP/FSDP average over ranks; see module doc
-        seen[group, :width] += logprobs.detach().float().cpu() * trains
-        written[group, :width] += trains
-        weight = float(part.num_model_tokens) * trains
-        parts.append((weight, {"loss": float(loss.detach()), **metrics.as_dict()}))
-    merged = global_metrics(parts, ctx)
-    merged["grad_norm"] = float(clip_grad_norm(policy.parameters(), algo.max_grad_norm))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return merged, _gather_rows(seen, written, ctx)
-
-
-@torch.no_grad()
-def distributed_batch_logprobs(
-    model: nn.Module, batch: PackedBatch, temperature: float, algo: AlgoConfig, ctx: DistContext
-) -> Tensor:
-    """`update.batch_logprobs` split over ranks: each scores its groups' rows with a
-    `wrap_policy` or `wrap_reference` module, every rank gets all rows `[B, T]` (NaN on rows
-    without model tokens)."""
-    rows = shard_rows(batch.input_ids.shape[0], ctx, batch.group_index)
-    micro = _local_micro_batches(
-        batch, rows_with_loss(batch, skip_zero_advantage=False, rows=rows), algo, ctx
-    )
-    values = torch.zeros(batch.input_ids.shape)  # [B, T]
-    written = torch.zeros(batch.input_ids.shape)  # [B, T]
-    for group, real in micro:
-        part = _to_device(batch.select(group), ctx.device)
-        width = part.input_ids.shape[1]
-        logprobs = model(
-            part.input_ids, part.attention_mask, part.loss_mask, temperature, algo.shared_prefix
-        )  # [b, t]
-        values[group, :width] += logprobs.float().cpu() * real
-        written[group, :width] += real
-    return _gather_rows(values, written, ctx)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agent_grpo.replay import DEFAULT_CLIP_EPS, PROVENANCE_STYLES, TokenRow, token_rows
+from agent_grpo.inspect.replay import DEFAULT_CLIP_EPS, PROVENANCE_STYLES, TokenRow, token_rows
 from agent_grpo.trajectory import Provenance, TrajectoryRecord
 
 __all__ = ["html_payload", "render_html", "write_html"]

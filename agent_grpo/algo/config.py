@@ -1,0 +1,95 @@
+"""`AlgoConfig`: every knob of the GRPO update, with the combinations that mean nothing refused.
+
+Validation happens when the YAML is loaded, before any model work, so a meaningless combination
+is a one-line error naming the keys instead of a silently different algorithm.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from agent_grpo.algo.grpo import Aggregation, KLKind
+from agent_grpo.config import ConfigModel
+
+__all__ = ["AlgoConfig"]
+
+
+class AlgoConfig(ConfigModel):
+    """GRPO: group-relative advantages and a PPO-clipped token loss."""
+
+    type: Literal["grpo"] = "grpo"
+    """Algorithm name."""
+    scale: Literal["group", "none"] | None = None
+    """Divide advantages by the group std (`group`) or not (`none`, Dr. GRPO). Unset: `group`,
+    except with `leave_one_out`, where it is `none` (RLOO as published)."""
+    leave_one_out: bool = False
+    """Baseline is the mean of the other samples (RLOO) instead of the group mean."""
+    clip_low: float = Field(default=0.2, ge=0.0, lt=1.0)
+    """Lower clip: ratios below 1 - clip_low stop pushing down."""
+    clip_high: float = Field(default=0.2, ge=0.0)
+    """Upper clip: ratios above 1 + clip_high stop pushing up (DAPO raises it to 0.28)."""
+    beta: float = Field(default=0.0, ge=0.0)
+    """Weight of KL(pi || pi_ref); 0 skips the reference model entirely."""
+    kl: KLKind = "k2"
+    """KL estimator in the loss. As a loss, k2's expected gradient is that of KL(pi || pi_ref),
+    k3's that of KL(pi_ref || pi) and k1's is zero (docstring of `agent_grpo.algo.grpo`)."""
+    aggregation: Aggregation = "token-mean"
+    """How per-token losses become one number."""
+    max_tokens: int | None = Field(default=None, ge=1)
+    """Constant normaliser of `seq-mean-token-sum-norm` (Dr. GRPO); unset, it is
+    `rollout.sampling.max_tokens` times the environment's `max_turns`."""
+    lr: float = Field(default=1e-5, gt=0.0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(default=1.0, gt=0.0)
+    """Gradient clipping norm."""
+    epochs: int = Field(default=1, ge=1)
+    """Passes over each step's batch (ratios leave 1 only from the second pass on)."""
+    minibatches: int = Field(default=1, ge=1)
+    """Optimizer steps per epoch; the batch is split into this many minibatches."""
+    micro_batch_tokens: int = Field(default=4096, ge=1)
+    """Most tokens per forward/backward; gradients are accumulated across micro-batches."""
+    shared_prefix: bool = True
+    """Run the backbone once over each group's shared prompt (same result, less compute)."""
+    skip_zero_advantage: bool = True
+    """With beta = 0, skip the forward pass of rows with zero advantage (they add exactly 0)."""
+    old_logprobs: Literal["trainer", "sampler"] = "trainer"
+    """Where pi_old comes from: recomputed by the trainer, or the sampler's logprobs."""
+    tis_cap: float | None = Field(default=None, gt=0.0)
+    """Cap of truncated importance sampling weights exp(pi_old - sampler); None disables."""
+    drop_dead_groups: bool = False
+    """Leave zero-variance groups out of the loss denominator."""
+    dynamic_sampling: bool = False
+    """Oversample tasks until the batch has `tasks_per_step` groups with reward variance."""
+    dynamic_sampling_max_rounds: int = Field(default=3, ge=1)
+    """Most extra collection rounds per step for dynamic sampling."""
+
+    @property
+    def advantage_scale(self) -> Literal["group", "none"]:
+        """The resolved `scale`: RLOO is unscaled unless `scale: group` is asked for."""
+        if self.scale is not None:
+            return self.scale
+        return "none" if self.leave_one_out else "group"
+
+    @property
+    def single_pass(self) -> bool:
+        """One optimizer step over the whole batch: the loss's own forward pass is pi_old."""
+        return self.epochs == 1 and self.minibatches == 1
+
+    @model_validator(mode="after")
+    def _meaningful(self) -> AlgoConfig:
+        if self.old_logprobs == "sampler" and self.tis_cap is not None:
+            raise ValueError(
+                "algo.tis_cap corrects pi_old for the sampler's mismatch, but "
+                "algo.old_logprobs=sampler makes pi_old the sampler: the weights would all be 1. "
+                "Use old_logprobs=trainer with tis_cap, or drop tis_cap"
+            )
+        if self.max_tokens is not None and self.aggregation != "seq-mean-token-sum-norm":
+            raise ValueError(
+                f"algo.max_tokens is the normaliser of aggregation seq-mean-token-sum-norm; "
+                f"with aggregation {self.aggregation} it would be ignored"
+            )
+        return self

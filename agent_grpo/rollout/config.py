@@ -1,0 +1,82 @@
+"""The configs of rollouts: the generation backend (a discriminated union on `type`) and how
+groups are sampled. The collector takes `RolloutConfig` itself; training and evaluation build
+one each.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from agent_grpo.config import ConfigModel
+from agent_grpo.rollout.backend import SamplingConfig
+
+__all__ = [
+    "BackendConfig",
+    "HFBackendConfig",
+    "OpenAIBackendConfig",
+    "RolloutConfig",
+    "VLLMBackendConfig",
+]
+
+
+class HFBackendConfig(ConfigModel):
+    """Generate with transformers in the training process (shares the policy's weights)."""
+
+    type: Literal["hf"] = "hf"
+    """Backend name."""
+    max_batch_size: int = 64
+    """Most sequences decoded together."""
+
+
+class VLLMBackendConfig(ConfigModel):
+    """Generate with an in-process vLLM engine; weights are pushed after each optimizer step."""
+
+    type: Literal["vllm"] = "vllm"
+    """Backend name."""
+    max_model_len: int = 4096
+    """Longest sequence the engine accepts."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of accelerator memory vLLM may take (the trainer needs the rest)."""
+    engine_kwargs: dict[str, Any] = {}
+    """Extra `vllm.LLM` arguments."""
+
+
+class OpenAIBackendConfig(ConfigModel):
+    """Generate with a remote OpenAI-compatible completions server (e.g. `vllm serve`)."""
+
+    type: Literal["openai"] = "openai"
+    """Backend name."""
+    base_url: str
+    """Server root, e.g. http://127.0.0.1:8000."""
+    model: str
+    """Model name the server serves."""
+    timeout_s: float = 120.0
+    """Per-request timeout."""
+    max_retries: int = 3
+    """Retries on connection errors, 429 and 5xx."""
+    max_concurrency: int = 16
+    """Requests in flight at once."""
+
+
+BackendConfig = Annotated[
+    HFBackendConfig | VLLMBackendConfig | OpenAIBackendConfig, Field(discriminator="type")
+]
+
+
+class RolloutConfig(ConfigModel):
+    """How groups are sampled each step."""
+
+    backend: BackendConfig = HFBackendConfig()
+    """Generation engine."""
+    tasks_per_step: int = Field(default=8, ge=1)
+    """Distinct tasks (prompts) per step."""
+    group_size: int = Field(default=8, ge=1)
+    """G: samples per task."""
+    max_context_tokens: int = Field(default=1024, ge=1)
+    """Longest episode in tokens."""
+    env_step_timeout_s: float = Field(default=60.0, gt=0)
+    """Deadline for one environment step."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling settings for training rollouts."""

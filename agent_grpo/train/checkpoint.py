@@ -1,0 +1,120 @@
+"""Checkpoints that resume exactly: model weights, optimizer state, RNG states and the step."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import torch
+from pydantic import BaseModel
+
+from agent_grpo.evaluate import EvalResult
+from agent_grpo.train.parallel import (
+    broadcast_object,
+    full_optimizer_state,
+    load_full_optimizer_state,
+)
+
+if TYPE_CHECKING:
+    from agent_grpo.store import RunDir
+    from agent_grpo.train.trainer import Trainer
+
+__all__ = ["TrainerState", "load_checkpoint", "restore", "save", "save_checkpoint"]
+
+
+class TrainerState(BaseModel):
+    """Everything besides weights that a resumed run needs."""
+
+    step: int
+    """Number of GRPO steps completed."""
+    eval_before: EvalResult | None = None
+    """Base-model evaluation, kept so the final table survives a resume."""
+    eval_warm_start: EvalResult | None = None
+    """Evaluation after the warm start."""
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(
+    path: Path, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer, state: TrainerState
+) -> Path:
+    """Write a checkpoint directory atomically (a temp dir renamed into place)."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp / "model")
+    tokenizer.save_pretrained(tmp / "model")
+    torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / "trainer.pt")
+    (tmp / "state.json").write_text(state.model_dump_json(indent=1))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path
+
+
+def load_checkpoint(path: Path, optimizer: torch.optim.Optimizer) -> TrainerState:
+    """Restore optimizer and RNG states from `path`; the caller loads `path / "model"`."""
+    blob = torch.load(path / "trainer.pt", weights_only=False)
+    optimizer.load_state_dict(blob["optimizer"])
+    _set_rng_state(blob["rng"])
+    return TrainerState.model_validate_json((path / "state.json").read_text())
+
+
+class FullOptimizerState:
+    """Stands in for the optimizer in `save_checkpoint` and `load_checkpoint` under torchrun:
+    they call `state_dict()` / `load_state_dict()`, and this holds the full (gathered) state."""
+
+    def __init__(self, state: dict[str, Any] | None = None) -> None:
+        self.state = state or {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The held state."""
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Hold `state`."""
+        self.state = state
+
+
+def save(run: RunDir | None, trainer: Trainer, state: TrainerState) -> None:
+    """Rank 0 writes a checkpoint; under torchrun every rank first helps gather the optimizer.
+
+    The layout is the one-process one, so either kind of run resumes the other's checkpoints.
+    """
+    optimizer = trainer.optimizer
+    if trainer.ctx.distributed:
+        full = FullOptimizerState(full_optimizer_state(trainer.optimizer))
+        optimizer = cast(torch.optim.Optimizer, full)
+    if run is not None and trainer.sampler is not None:
+        path = run.checkpoint_dir(state.step)
+        save_checkpoint(path, trainer.sampler, trainer.tokenizer, optimizer, state)
+
+
+def restore(checkpoint: Path, trainer: Trainer) -> TrainerState:
+    """A checkpoint's optimizer, RNG and trainer state; under torchrun rank 0 reads it and sends
+    the state and the whole optimizer state to every rank (each keeps its shards)."""
+    if not trainer.ctx.distributed:
+        return load_checkpoint(checkpoint, trainer.optimizer)
+    holder = FullOptimizerState()
+    state = (
+        load_checkpoint(checkpoint, cast(torch.optim.Optimizer, holder))
+        if trainer.ctx.is_main
+        else None
+    )
+    state, full = broadcast_object((state, holder.state), trainer.ctx)
+    load_full_optimizer_state(trainer.optimizer, full)
+    assert state is not None
+    return state

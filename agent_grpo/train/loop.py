@@ -1,0 +1,266 @@
+"""GRPO for multi-turn tool agents, top to bottom: rollout -> reward -> advantage -> pi_old/pi_ref
+-> update -> weights to the engine -> log -> checkpoint.
+
+Where we depart from the papers, and why:
+- DeepSeekMath GRPO puts the KL term in the loss with the k3 estimator; we default to beta = 0
+  (DAPO, Dr. GRPO: with a short run the reference mostly costs a forward pass) and, with beta > 0,
+  to k2, whose gradient as a loss is that of KL(pi || pi_ref) (agent_grpo/algo/grpo.py).
+- Advantages are group-normalised by the unbiased std (as TRL and verl); `algo.scale: none` gives
+  Dr. GRPO's unscaled advantages and `algo.leave_one_out` RLOO's (unscaled) baseline.
+- Episodes that failed outside the policy (env exception or timeout, failed generation) or got
+  a non-finite reward are left out of their group's statistics and of the loss, and counted.
+- The loss is averaged over valid model tokens of the whole minibatch (DAPO's token-mean) by
+  default, with the global token count as the denominator across gradient-accumulation
+  micro-batches and ranks, so splitting a batch never changes the update.
+- Multi-turn: only tokens the policy sampled are trained on; tool output and chat-template tokens
+  condition the policy but never enter the loss (see agent_grpo/tokens.py).
+- pi_old is recomputed by the trainer (the sampler's numerics differ); the sampler/trainer gap is
+  logged every step and can be corrected with truncated importance sampling (`algo.tis_cap`).
+- Warm start: a supervised pass on the environment's expert trajectories precedes GRPO, because a
+  135M model never calls a tool unaided and GRPO cannot learn from all-zero groups.
+- Under torchrun (`distributed.mode` ddp or fsdp) rank 0 alone samples, rewards, evaluates and
+  writes the run directory; every rank receives its records and trains on its share of the
+  groups with the same update code as one process (agent_grpo/train/update.py). verl and
+  OpenRLHF sample on every rank; one sampler keeps rollouts identical to a one-process run.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from agent_grpo.algo.grpo import group_advantages
+from agent_grpo.config import ConfigError, dump_config
+from agent_grpo.evaluate import env_stop_strings
+from agent_grpo.logs import get_logger
+from agent_grpo.models import load_model, load_tokenizer
+from agent_grpo.registry import make_env
+from agent_grpo.rollout.factory import build_backend
+from agent_grpo.rollout.summary import summarize_trajectories
+from agent_grpo.store import RunDir
+from agent_grpo.train.batch import PackedBatch, pack_records
+from agent_grpo.train.checkpoint import TrainerState, restore, save
+from agent_grpo.train.config import AlgoConfig, TrainConfig
+from agent_grpo.train.evaluation import print_summary, run_eval
+from agent_grpo.train.metrics import (
+    StepMetrics,
+    counts_in_group,
+    dead_group_mask,
+    logprob_mismatch,
+    signal_metrics,
+)
+from agent_grpo.train.parallel import broadcast_object
+from agent_grpo.train.rollout import collect
+from agent_grpo.train.step_log import open_tensorboard, record_step
+from agent_grpo.train.trainer import (
+    Trainer,
+    compute_dtype,
+    make_reference,
+    model_source,
+    push_weights,
+    sampler_model,
+    share_models,
+    share_rollout,
+    start_distributed,
+)
+from agent_grpo.train.update import batch_logprobs, grpo_update
+from agent_grpo.train.warm_start import warm_start
+from agent_grpo.trajectory import TrajectoryRecord
+
+__all__ = ["advantages_of", "resolve_max_tokens", "train", "train_step", "trainable_rows"]
+
+log = get_logger("train")
+
+
+def advantages_of(records: Sequence[TrajectoryRecord], algo: AlgoConfig) -> torch.Tensor:
+    """Group-relative advantages `[B]` of the records' total rewards, built in fp64 (float32
+    rewards of 1000.0001 and 1000.0002 are one number); excluded members count for nothing."""
+    rewards = torch.tensor([r.reward for r in records], dtype=torch.float64)  # [B]
+    valid = torch.tensor([counts_in_group(r) for r in records], dtype=torch.bool)  # [B]
+    return group_advantages(
+        rewards, [r.group_id for r in records], valid=valid, scale=algo.advantage_scale,
+        leave_one_out=algo.leave_one_out,
+    )  # fmt: skip
+
+
+def trainable_rows(records: Sequence[TrajectoryRecord], algo: AlgoConfig) -> torch.Tensor:
+    """`[B]` bool: the rows whose model tokens enter the loss (and its denominator): not
+    excluded, and with `drop_dead_groups` not in a group without reward variance."""
+    keep = torch.tensor([counts_in_group(r) for r in records], dtype=torch.bool)  # [B]
+    if algo.drop_dead_groups:
+        keep &= ~torch.tensor(dead_group_mask(records), dtype=torch.bool)  # [B]
+    return keep
+
+
+def resolve_max_tokens(config: TrainConfig) -> int:
+    """The constant normaliser of `seq-mean-token-sum-norm`: `algo.max_tokens`, else the most
+    tokens one episode can sample (`rollout.sampling.max_tokens` x the env's `max_turns`)."""
+    if config.algo.max_tokens is not None:
+        return config.algo.max_tokens
+    env = make_env(config.env.id, **config.env.kwargs)
+    try:
+        turns = getattr(env.unwrapped, "max_turns", None)
+    finally:
+        env.close()
+    if not isinstance(turns, int):
+        if config.algo.aggregation == "seq-mean-token-sum-norm":
+            raise ConfigError(
+                f"{config.env.id} has no max_turns: set algo.max_tokens, the constant "
+                "normaliser of aggregation seq-mean-token-sum-norm"
+            )
+        return config.rollout.sampling.max_tokens  # unused by the other aggregations
+    return config.rollout.sampling.max_tokens * turns
+
+
+def train_step(
+    config: TrainConfig, trainer: Trainer, step: int, max_tokens: int
+) -> tuple[StepMetrics, list[TrajectoryRecord]]:
+    """One GRPO step; returns its metrics and its (annotated) trajectory records."""
+    algo, ctx, started = config.algo, trainer.ctx, time.perf_counter()
+    # 1-2. rollout and reward on rank 0 (the one process with an engine); every rank packs them
+    rollout = None
+    if trainer.backend is not None:
+        rollout = collect(config, trainer.backend, trainer.tokenizer, trainer.stop, step)
+    rollout = share_rollout(rollout, ctx)
+    records = rollout.records
+    # 3. advantage: within each group only
+    advantages = advantages_of(records, algo)  # [B]
+    for record, a in zip(records, advantages.tolist(), strict=True):
+        record.advantage = a
+    batch = pack_records(records, trainer.tokenizer.pad_token_id, advantages.tolist())
+    batch.loss_mask &= trainable_rows(records, algo)[:, None]  # [B, T]
+    # 4. pi_old (the trainer's, before any update) and pi_ref on the sampled tokens. With a
+    #    single pass the loss's own forward pass is pi_old, so no extra pass is needed.
+    temperature = records[0].sampling_temperature
+    before = None
+    if not algo.single_pass:
+        before = batch_logprobs(trainer.policy, batch, temperature, algo, ctx)  # [B, T]
+    old = batch.sampler_logprobs if algo.old_logprobs == "sampler" else before  # [B, T]
+    ref = None
+    if trainer.reference is not None:
+        ref = batch_logprobs(trainer.reference, batch, temperature, algo, ctx)  # [B, T]
+    # 5. loss and optimizer steps
+    update, first_pass = grpo_update(
+        trainer.policy, trainer.optimizer, batch, old, ref, algo, temperature, max_tokens,
+        seed=config.seed * 100_003 + step, ctx=ctx,
+    )  # fmt: skip
+    trainer_old = first_pass if before is None else before  # [B, T]
+    # 6. the engine gets the new weights
+    push_weights(trainer)
+    # 7. what the step did
+    _annotate(records, trainer_old, ref, batch)
+    metrics = StepMetrics(
+        step=step,
+        rollout=summarize_trajectories(records),
+        signal=signal_metrics(records, advantages.tolist()),
+        mismatch=logprob_mismatch(trainer_old, batch.sampler_logprobs, batch.loss_mask),
+        update=update,
+        rollout_tokens_per_s=rollout.metrics.tokens_per_s,
+        rollout_model_time_s=rollout.metrics.model_time_s,
+        rollout_env_time_s=rollout.metrics.env_time_s,
+        tool_errors=rollout.metrics.tool_errors,
+        step_time_s=time.perf_counter() - started,
+    )
+    return metrics, records
+
+
+def _annotate(
+    records: Sequence[TrajectoryRecord],
+    old: torch.Tensor,
+    ref: torch.Tensor | None,
+    batch: PackedBatch,
+) -> None:
+    """Store trainer logprobs on each record: None where the trainer scored no token."""
+
+    def row(values: torch.Tensor, b: int, n: int) -> list[float | None]:
+        mask = batch.loss_mask[b, :n].tolist()
+        return [v if m and math.isfinite(v) else None
+                for v, m in zip(values[b, :n].tolist(), mask, strict=True)]  # fmt: skip
+
+    for b, record in enumerate(records):
+        n = len(record.token_ids)
+        record.old_logprobs = row(old, b, n)
+        if ref is not None:
+            record.ref_logprobs = row(ref, b, n)
+
+
+def open_run(config: TrainConfig, resume: bool) -> RunDir:
+    """The run directory: the existing one when resuming, else a new one with the config."""
+    if resume:
+        return RunDir.open(Path(config.run.root) / config.run.name)
+    name = config.run.name
+    if (Path(config.run.root) / name).exists():  # never mix two runs' records in one directory
+        name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        log.warning("%s/%s exists; writing this run to %s/%s", config.run.root,
+                    config.run.name, config.run.root, name)  # fmt: skip
+    return RunDir.create(config.run.root, run_id=name, config_text=dump_config(config))
+
+
+def train(config: TrainConfig, *, resume: bool = False) -> Path:
+    """Run the whole job described by `config`; returns the run directory.
+
+    Under torchrun every rank runs this: rank 0 alone samples, evaluates and writes the run
+    directory, and every rank takes part in each update.
+    """
+    ctx = start_distributed(config)
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    max_tokens = resolve_max_tokens(config)
+    run = open_run(config, resume) if ctx.is_main else None
+    checkpoint = broadcast_object(run.latest_checkpoint() if run and resume else None, ctx)
+    model_path = model_source(config, checkpoint, ctx)
+    tokenizer = load_tokenizer(model_path)
+    dtype = compute_dtype(config)
+    # fp32 parameters whatever `model.dtype` says: they are the optimizer's master weights
+    policy: torch.nn.Module = load_model(model_path, dtype=torch.float32)
+    policy = policy.to(ctx.device).eval()
+    sampler = sampler_model(policy, config, ctx)
+    backend = None
+    if sampler is not None:
+        backend = build_backend(config.rollout.backend, sampler, tokenizer, model_path, dtype)
+    stop = env_stop_strings(config.env.id, config.env.kwargs)
+    state = TrainerState(step=0)
+    if checkpoint is None and backend is not None:  # a fresh run: base eval, warm start, eval
+        state.eval_before = run_eval(config, backend, tokenizer, stop, "base")
+        if config.warm_start is not None:
+            losses = warm_start(config, policy, tokenizer, dtype)
+            log.info("warm start: %d steps, nll %.3f -> %.3f", len(losses), losses[0], losses[-1])
+            backend.update_weights(policy)
+            state.eval_warm_start = run_eval(config, backend, tokenizer, stop, "warm start")
+    reference = make_reference(run, policy, config, resume)
+    policy, reference = share_models(policy, reference, config, ctx)
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=config.algo.lr, weight_decay=config.algo.weight_decay
+    )
+    trainer = Trainer(
+        policy=policy, reference=reference, optimizer=optimizer, tokenizer=tokenizer, stop=stop,
+        backend=backend, sampler=sampler, ctx=ctx, mode=config.distributed.mode,
+    )  # fmt: skip
+    if checkpoint is not None:
+        state = restore(checkpoint, trainer)
+        log.info("resumed from %s at step %d", checkpoint, state.step)
+    tensorboard = open_tensorboard(run, config) if run is not None else None
+    for step in range(state.step, config.steps):
+        metrics, records = train_step(config, trainer, step, max_tokens)
+        if run is not None:
+            record_step(run, config, metrics, records, tensorboard)
+        state.step = step + 1
+        every = config.run.checkpoint_every
+        if state.step == config.steps or (every and state.step % every == 0):
+            save(run, trainer, state)
+    if run is not None and backend is not None:
+        after = run_eval(config, backend, tokenizer, stop, "final")
+        if after is not None:
+            run.write_metrics(config.steps, after.row())
+        print_summary(state, after)
+        backend.close()
+    if ctx.distributed:  # rank 0 may still be evaluating: tear down together
+        dist.barrier()
+        dist.destroy_process_group()
+    return run.path if run is not None else Path(config.run.root) / config.run.name
