@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import PydanticSerializationError
 
 from agent_grpo.logs import get_logger
 from agent_grpo.trajectory import TrajectoryRecord
@@ -152,6 +153,16 @@ def _parse_record(line: bytes, path: Path, offset: int) -> TrajectoryRecord | No
         return None
 
 
+def _record_line(record: TrajectoryRecord) -> str | None:
+    """The record's JSON line, or None (logged) when it cannot be serialized: a lost log line
+    must not end a training run."""
+    try:
+        return record.to_json_line()
+    except (PydanticSerializationError, ValidationError) as error:
+        log.error("record %s cannot be serialized, not stored: %s", record.uid, error)
+        return None
+
+
 def _write_all(fd: int, data: bytes) -> int:
     """Write `data` with one `os.write` (more only if the kernel writes short); return the end."""
     view = memoryview(data)
@@ -248,10 +259,13 @@ class RunDir:
         path = self.trajectory_file(step)
         path.parent.mkdir(exist_ok=True)
         relative = str(path.relative_to(self.path))
+        # Every line is made before the first is written, so a record that fails to serialize
+        # cannot leave the step half written.
+        lines = [(record, line) for record in records if (line := _record_line(record))]
         entries = []
         with _appending(path, self.fsync) as append:
-            for record in records:
-                offset, length = append(record.to_json_line())
+            for record, line in lines:
+                offset, length = append(line)
                 entries.append(_index_entry(record, step, relative, offset, length))
         # Only after the records: an index entry never points at bytes not yet written.
         with _appending(self.path / "index.jsonl", self.fsync) as append:

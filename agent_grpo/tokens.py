@@ -13,8 +13,9 @@ into segments, in order:
   ordinary text tokens and can never forge a turn.
 - model segments: an assistant turn is never tokenized; its ids are the sampled ids, and its
   message content (and `TurnRecord.model_text`) is their decode minus a trailing EOS
-  (`tokenizer.eos_token_id`, the only id treated as end of turn). When the sampled ids end with
-  EOS, the template segment after them starts with that same EOS, dropped there, not repeated.
+  (`tokenizer.eos_token_id`, the only id treated as end of turn), with lone surrogates replaced
+  (`agent_grpo.trajectory.valid_text`). When the sampled ids end with EOS, the template segment
+  after them starts with that same EOS, dropped there, not repeated.
 
 The canonical sequence is the concatenation of every segment tokenized on its own. Where we depart
 from common practice: `apply_chat_template(tokenize=True)` tokenizes the whole rendered text in
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from agent_grpo.trajectory import Lengths, Message, Provenance
+from agent_grpo.trajectory import Lengths, Message, Provenance, valid_text
 
 __all__ = [
     "ChatTemplateError",
@@ -186,11 +187,12 @@ def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def turn_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
-    """A model turn's text: decode of its sampled ids minus a trailing EOS, specials kept."""
+    """A model turn's text: decode of its sampled ids minus a trailing EOS, specials kept, lone
+    surrogates replaced by U+FFFD (`valid_text`) so the text can be stored."""
     ids = list(ids[:-1]) if ids[-1:] == [_eos_id(tokenizer)] else list(ids)
     text = tokenizer.decode(ids, skip_special_tokens=False)
     assert isinstance(text, str)
-    return text
+    return valid_text(text)
 
 
 def _drop_eos(ids: list[int], eos: int, template: str) -> list[int]:

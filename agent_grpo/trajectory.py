@@ -4,6 +4,13 @@ A record is the unit that rollouts produce, the trainer consumes, the store writ
 line, and replay renders. Per-token arrays (`token_ids`, `provenance`, the logprob arrays) all have
 length `num_tokens`. Logprob arrays hold `None` wherever a value does not exist (every non-model
 token for sampler logprobs), never a placeholder 0.0 that could leak into a loss.
+
+Every text a record holds is valid Unicode: building any record model passes its strings (nested
+ones in `arguments` and `verifier` included) through `valid_text`, which replaces lone surrogates
+with U+FFFD. Model output can carry them (a JSON `"\\ud800"` escape in tool-call arguments), and
+so can tool output (bytes decoded with `surrogateescape`); a surrogate cannot be encoded as UTF-8,
+so it would make the record unwritable and the tokenizer fail on the observation. Token ids are
+never touched: only text is repaired.
 """
 
 from __future__ import annotations
@@ -11,7 +18,8 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticSerializationError
 
 __all__ = [
     "Lengths",
@@ -21,6 +29,7 @@ __all__ = [
     "ToolCallRecord",
     "TrajectoryRecord",
     "TurnRecord",
+    "valid_text",
 ]
 
 
@@ -39,8 +48,55 @@ class Provenance(StrEnum):
     """Batch padding; never part of a stored trajectory's meaning."""
 
 
+def valid_text(text: str) -> str:
+    """`text` with each lone surrogate replaced by U+FFFD, so it encodes as UTF-8 and JSON."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        # Through UTF-16, a surrogate pair written as two code points becomes its character again;
+        # only the unpaired halves are replaced.
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text  # the same object: a `Provenance` member stays one
+
+
+# Deeper than this, nested values are left as they are, so repairing never exhausts Python's
+# stack. Tool-call arguments are capped shallower (`toolcalls.MAX_JSON_DEPTH`); pydantic cannot
+# serialize past about 255 levels anyway.
+_MAX_TEXT_DEPTH = 100
+
+
+# Never text, and walking them would cost more than the rest of a record (tens of thousands of
+# entries); every other field is repaired, so a new text field is covered without a change here.
+_PER_TOKEN_FIELDS = frozenset(
+    {"token_ids", "provenance", "sampler_logprobs", "old_logprobs", "ref_logprobs"}
+)
+
+
+def _valid_texts(value: Any, depth: int = 0) -> Any:
+    """`value` with `valid_text` applied to every string in it, dict keys included."""
+    if isinstance(value, str):
+        return valid_text(value)
+    if depth >= _MAX_TEXT_DEPTH:
+        return value
+    if isinstance(value, dict):
+        return {_valid_texts(k, depth): _valid_texts(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_valid_texts(v, depth + 1) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_valid_texts(v, depth + 1) for v in value)
+    return value
+
+
 class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _repair_text(cls, data: Any) -> Any:
+        # Applied to every record model on construction: the one place text enters a record.
+        if not isinstance(data, dict):
+            return data
+        return {k: v if k in _PER_TOKEN_FIELDS else _valid_texts(v) for k, v in data.items()}
 
 
 class Message(_Record):
@@ -192,7 +248,12 @@ class TrajectoryRecord(_Record):
 
     def to_json_line(self) -> str:
         """Serialize to one JSON line (no newline inside)."""
-        return self.model_dump_json()
+        try:
+            return self.model_dump_json()
+        except PydanticSerializationError:
+            # A field assigned after construction skipped `valid_text`; a rebuilt copy has not.
+            # Anything else that cannot be serialized (nesting too deep) still raises.
+            return type(self).model_validate(self.model_dump()).model_dump_json()
 
     @classmethod
     def from_json_line(cls, line: str) -> TrajectoryRecord:
