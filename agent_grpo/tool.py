@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.fields import FieldInfo
 from pydantic.json_schema import GenerateJsonSchema
 
+from agent_grpo.toolcalls import short_repr
 from agent_grpo.trajectory import ToolCallRecord
 
 __all__ = [
@@ -228,7 +229,9 @@ async def arun_tool_call(tool: Tool, arguments: dict[str, Any], *, raw: str = ""
         task.add_done_callback(_consume_result)
         return _record(tool, arguments, raw, start, error=_timeout_error(tool), kind="timeout")
     outcome: dict[str, Any] = {}
-    if task.exception() is not None:
+    if task.cancelled():  # the tool cancelled itself; `task.exception()` would raise
+        outcome["error"] = asyncio.CancelledError("the tool's task was cancelled")
+    elif task.exception() is not None:
         outcome["error"] = task.exception()
     else:
         outcome["value"] = task.result()
@@ -304,16 +307,20 @@ def _validate(tool: Tool, arguments: Any) -> tuple[dict[str, Any], str | None]:
     except ValidationError as error:
         problems = "; ".join(_describe_problem(e) for e in error.errors())
         return {}, f"invalid arguments to {tool.name}: {problems}. {_usage(tool)}"
+    except Exception as error:  # the tool's own validator raised something pydantic passes on
+        problem = f"{type(error).__name__}: {_exception_text(error)}"
+        return {}, f"invalid arguments to {tool.name}: {problem}. {_usage(tool)}"
     return dict(validated), None  # dict(model), not model_dump: nested models stay models
 
 
 def _describe_problem(error: Any) -> str:
-    field = ".".join(str(p) for p in error["loc"]) or "<arguments>"
+    # Field names can be model-written (an unexpected argument), so they are cut like values.
+    field = short_repr(".".join(str(p) for p in error["loc"]) or "<arguments>")
     if error["type"] == "missing":
-        return f"missing required argument {field!r}"
+        return f"missing required argument {field}"
     if error["type"] == "extra_forbidden":
-        return f"unexpected argument {field!r}"
-    return f"argument {field!r}: {error['msg']} (got {error.get('input')!r:.80})"
+        return f"unexpected argument {field}"
+    return f"argument {field}: {error['msg']} (got {short_repr(error.get('input'))})"
 
 
 def _usage(tool: Tool) -> str:
@@ -340,7 +347,7 @@ def _finish(
     """Turn a finished call's value or exception into a record (size cap applied)."""
     if "error" in outcome:
         error = outcome["error"]
-        message = f"tool {tool.name} raised {type(error).__name__}: {error}"
+        message = f"tool {tool.name} raised {type(error).__name__}: {_exception_text(error)}"
         return _record(tool, arguments, raw, start, error=message, kind="raised")
     try:
         text = result_to_text(outcome.get("value"))
@@ -354,6 +361,15 @@ def _finish(
         )
         return _record(tool, arguments, raw, start, error=message, kind="oversized")
     return _record(tool, arguments, raw, start, result=text)
+
+
+def _exception_text(error: BaseException) -> str:
+    """`str(error)`, or a placeholder when even that raises (a broken `__str__` is the tool's
+    bug, and must not escape a call documented never to raise)."""
+    try:
+        return str(error)
+    except Exception:
+        return "<the exception could not be shown>"
 
 
 def result_to_text(value: Any) -> str:

@@ -10,17 +10,23 @@ Parsing never raises on model output: every call becomes a `ParsedToolCall` or a
 Departures from lenient parsers: an unclosed `<tool_call>` (turn cut by max tokens) is a `parse`
 error, not a best-effort call, and `arguments` must be a JSON object (a JSON-encoded string of an
 object, which some models emit, is not unwrapped), so the reward sees exactly what was written.
+For the same reason, and so that every parsed call can be stored, a call is a `parse` error when
+its JSON is nested deeper than `MAX_JSON_DEPTH`, holds an integer too long for Python to read, or
+holds a number JSON cannot hold (`NaN`, `Infinity`, or a float such as `1e999` that overflows).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 __all__ = [
+    "MAX_JSON_DEPTH",
     "HermesToolCallFormat",
     "ParsedToolCall",
     "SupportsArgs",
@@ -29,7 +35,11 @@ __all__ = [
     "decode_call_json",
     "find_tagged_blocks",
     "parse_tool_calls",
+    "short_repr",
 ]
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of objects and arrays a tool call may have (no real tool needs a tenth)."""
 
 
 class _Value(BaseModel):
@@ -107,14 +117,58 @@ def find_tagged_blocks(text: str, open_tag: str, close_tag: str) -> list[tuple[s
     return blocks
 
 
+def _json_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:  # longer than `sys.get_int_max_str_digits()`
+        raise ValueError(f"an integer of {len(text)} digits is too long") from None
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _json_depth(value: Any) -> int:
+    """Nesting depth of objects and arrays in a decoded JSON value (a scalar is 0); iterative."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth + 1)
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _load_json(inner: str) -> tuple[Any, str | None]:
+    """The decoded JSON value, or an error message; never raises."""
+    try:
+        obj = json.loads(
+            inner, parse_int=_json_int, parse_float=_finite_float, parse_constant=_no_constant
+        )
+    except RecursionError:
+        return None, f"tool call JSON is nested deeper than {MAX_JSON_DEPTH} levels"
+    except json.JSONDecodeError as error:
+        return None, f"tool call is not valid JSON: {error}"
+    except ValueError as error:  # from the three number hooks above
+        return None, f"tool call holds a number that cannot be read: {error}"
+    if _json_depth(obj) > MAX_JSON_DEPTH:
+        return None, f"tool call JSON is nested deeper than {MAX_JSON_DEPTH} levels"
+    return obj, None
+
+
 def decode_call_json(raw: str, inner: str) -> ParsedToolCall | ToolCallParseError:
     """Decode `{"name": str, "arguments": {...}}`; `arguments` defaults to {} when absent."""
-    try:
-        obj = json.loads(inner)
-    except json.JSONDecodeError as error:
-        return ToolCallParseError(
-            kind="parse", message=f"tool call is not valid JSON: {error}", raw=raw
-        )
+    obj, problem = _load_json(inner)
+    if problem is not None:
+        return ToolCallParseError(kind="parse", message=problem, raw=raw)
     if not isinstance(obj, dict):
         found = type(obj).__name__
         return ToolCallParseError(
@@ -124,7 +178,7 @@ def decode_call_json(raw: str, inner: str) -> ParsedToolCall | ToolCallParseErro
     if not isinstance(name, str) or not name.strip():
         return ToolCallParseError(
             kind="missing_name",
-            message=f'tool call needs a non-empty string "name", got {name!r}',
+            message=f'tool call needs a non-empty string "name", got {short_repr(name)}',
             raw=raw,
         )
     arguments = obj.get("arguments", {})
@@ -194,11 +248,22 @@ def _as_function(schema: Mapping[str, Any]) -> Mapping[str, Any]:
     return schema if "function" in schema else {"type": "function", "function": dict(schema)}
 
 
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 80
+
+
+def short_repr(value: Any) -> str:
+    """`repr(value)` cut to about 80 characters: model-written values go into error messages,
+    and a megabyte argument must not come back as a megabyte observation."""
+    return _SHORT_REPR.repr(value)
+
+
 def _describe_validation(name: str, error: ValidationError) -> str:
     problems = []
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "<arguments>"
-        given = "" if item["type"] == "missing" else f" (got {item['input']!r})"
+        # An unexpected argument's name is model-written too, so it is cut like the values.
+        field = ".".join(str(part) for part in item["loc"])[:80] or "<arguments>"
+        given = "" if item["type"] == "missing" else f" (got {short_repr(item['input'])})"
         problems.append(f"{field}: {item['msg']}{given}")
     return f"invalid arguments for {name}: " + "; ".join(problems)
 
@@ -209,7 +274,7 @@ def _check_call(
     tool = tools.get(call.name)
     if tool is None:
         known = ", ".join(sorted(tools)) or "none"
-        message = f"unknown tool {call.name!r}; available tools: {known}"
+        message = f"unknown tool {short_repr(call.name)}; available tools: {known}"
         return ToolCallParseError(
             kind="unknown_tool", message=message, raw=call.raw, name=call.name
         )
@@ -219,6 +284,11 @@ def _check_call(
         message = _describe_validation(call.name, error)
         return ToolCallParseError(
             kind="invalid_arguments", message=message, raw=call.raw, name=call.name
+        )
+    except Exception as error:  # a tool's own validator that raises, say, TypeError
+        message = f"invalid arguments for {call.name}: {type(error).__name__}: {error}"
+        return ToolCallParseError(
+            kind="invalid_arguments", message=message[:500], raw=call.raw, name=call.name
         )
     return call
 

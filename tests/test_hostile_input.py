@@ -1,11 +1,13 @@
 """Hostile model and tool output never takes a rollout down.
 
-Covers text that cannot be encoded (lone surrogates in model output, tool arguments and tool
-results) reaching records and the store.
+Covers the tool-call parser's "never raises" contract (deep nesting, huge numbers, NUL bytes,
+validators that raise), and text that cannot be encoded (lone surrogates in model output, tool
+arguments and tool results) reaching records and the store.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -13,11 +15,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
-from agent_grpo.env import ToolEnv, Verdict
+from agent_grpo.env import ToolEnv, Verdict, read_step_info
+from agent_grpo.envs.calculator import CalculatorEnv
 from agent_grpo.invariants import check_invariants
 from agent_grpo.rollout.backend import Generation, SamplingConfig
 from agent_grpo.rollout.collector import (
@@ -27,7 +30,13 @@ from agent_grpo.rollout.collector import (
 )
 from agent_grpo.store import RunDir
 from agent_grpo.tokens import TokenBuilder, encode_plain
-from agent_grpo.tool import tool
+from agent_grpo.tool import arun_tool_call, run_tool_call, tool
+from agent_grpo.toolcalls import (
+    MAX_JSON_DEPTH,
+    ParsedToolCall,
+    ToolCallParseError,
+    parse_tool_calls,
+)
 from agent_grpo.trajectory import (
     Lengths,
     Message,
@@ -294,3 +303,212 @@ def test_decoded_model_text_is_repaired_and_the_invariants_hold(tokenizer) -> No
     check_invariants(record, decoder)  # type: ignore[arg-type]
     assert record.token_ids[span.start : span.end] == ids
     TrajectoryRecord.from_json_line(record.to_json_line())
+
+
+# ---- the parser never raises (issue 12, item 15, and kin) ----------------------------------------
+
+
+class AddArgs(BaseModel):
+    a: int
+    b: float = 0.0
+
+
+class PickyArgs(BaseModel):
+    word: str
+
+    @field_validator("word")
+    @classmethod
+    def _picky(cls, value: str) -> str:
+        # pydantic turns only ValueError/AssertionError into a ValidationError; this escapes it.
+        raise TypeError("picky validator")
+
+
+class FakeTool:
+    def __init__(self, args_model: type[BaseModel]) -> None:
+        self.args_model = args_model
+
+
+TOOLS = {"add": FakeTool(AddArgs), "picky": FakeTool(PickyArgs)}
+
+
+HOSTILE_JSON = {
+    "arrays_1000_deep": '{"name": "add", "arguments": {"a": ' + nested(1000) + "}}",
+    "arrays_100000_deep": '{"name": "add", "arguments": {"a": ' + nested(100_000) + "}}",
+    "objects_1000_deep": '{"name": "add", "arguments": ' + nested(1000, '{"a": ', "}") + "}",
+    # Below Python's recursion limit, above what a record can be serialized with (about 255).
+    "arrays_300_deep": '{"name": "add", "arguments": {"a": ' + nested(300) + "}}",
+    "unclosed_and_deep": '{"name": ' + "[" * 100_000,
+    "integer_5000_digits": '{"name": "add", "arguments": {"a": ' + "7" * 5000 + "}}",
+    "integer_5000_digits_as_name": '{"name": ' + "7" * 5000 + "}",
+    "float_overflow": '{"name": "add", "arguments": {"a": 1, "b": 1e999}}',
+    "negative_float_overflow": '{"name": "add", "arguments": {"a": 1, "b": -1e999}}',
+    "nan": '{"name": "add", "arguments": {"a": 1, "b": NaN}}',
+    "infinity": '{"name": "add", "arguments": {"a": 1, "b": -Infinity}}',
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_JSON))
+def test_hostile_json_is_a_parse_error(case: str) -> None:
+    raw = call(HOSTILE_JSON[case])
+    [result] = parse_tool_calls(raw, TOOLS)
+    assert isinstance(result, ToolCallParseError)
+    assert result.kind == "parse" and result.raw == raw
+    assert len(result.message) < 300  # said in a few words, not echoed back
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_JSON))
+def test_hostile_json_is_a_malformed_call_in_an_env(case: str) -> None:
+    env = CalculatorEnv()
+    env.reset(seed=1)
+    obs, _, terminated, truncated, info = env.step(call(HOSTILE_JSON[case]))
+    step = read_step_info(info)
+    assert step.malformed_tool_calls == 1 and step.tool_calls[0].error_kind == "parse"
+    assert obs[0]["content"].startswith("Error:") and (terminated, truncated) == (False, False)
+    # What the env hands the rollout can always be stored.
+    json.loads(step.model_dump_json())
+
+
+def test_nesting_up_to_the_limit_parses_and_one_more_does_not() -> None:
+    # The call object and "arguments" are two levels, so the value of "a" may nest 62 deep.
+    at_limit = '{"name": "add", "arguments": {"a": ' + nested(MAX_JSON_DEPTH - 2) + "}}"
+    over = '{"name": "add", "arguments": {"a": ' + nested(MAX_JSON_DEPTH - 1) + "}}"
+    [ok] = parse_tool_calls(call(at_limit))
+    [bad] = parse_tool_calls(call(over))
+    assert isinstance(ok, ParsedToolCall)
+    assert isinstance(bad, ToolCallParseError) and f"{MAX_JSON_DEPTH} levels" in bad.message
+    # A call at the limit still fits in a stored record.
+    record = ToolCallRecord(name=ok.name, arguments=ok.arguments, raw=ok.raw)
+    assert ToolCallRecord.model_validate_json(record.model_dump_json()) == record
+
+
+def test_large_but_readable_numbers_parse_exactly() -> None:
+    big = "9" * 4000
+    body = '{"name": "add", "arguments": {"a": ' + big + ', "b": 1e308}}'
+    [parsed] = parse_tool_calls(call(body), TOOLS)
+    assert isinstance(parsed, ParsedToolCall) and parsed.arguments == {"a": int(big), "b": 1e308}
+    record = ToolCallRecord(name=parsed.name, arguments=parsed.arguments, raw=parsed.raw)
+    assert ToolCallRecord.model_validate_json(record.model_dump_json()) == record
+
+
+def test_nul_bytes_and_odd_shapes_are_values_not_exceptions() -> None:
+    cases = {
+        '{"name": "add\\u0000", "arguments": {}}': "unknown_tool",
+        '{"name": "add", "arguments": {"a": "1\\u0000"}}': "invalid_arguments",
+        '{"name": "add", "arguments": [1, 2]}': "invalid_arguments",
+        '{"name": "add", "arguments": "{\\"a\\": 1}"}': "invalid_arguments",
+        '{"name": "add", "arguments": null}': "invalid_arguments",
+        '{"name": {"a": 1}}': "missing_name",
+        '["add", {"a": 1}]': "parse",
+        '{"name": "add", "arguments": {"a": 1}}\x00': "parse",  # a raw NUL is not JSON
+    }
+    for body, kind in cases.items():
+        [result] = parse_tool_calls(call(body), TOOLS)
+        assert isinstance(result, ToolCallParseError) and result.kind == kind, body
+
+
+def test_a_validator_that_raises_is_an_invalid_arguments_error() -> None:
+    [result] = parse_tool_calls(call('{"name": "picky", "arguments": {"word": "x"}}'), TOOLS)
+    assert isinstance(result, ToolCallParseError) and result.kind == "invalid_arguments"
+    assert "TypeError: picky validator" in result.message
+
+
+def test_a_huge_invalid_argument_is_not_echoed_back() -> None:
+    body = json.dumps({"name": "add", "arguments": {"a": "x" * 1_000_000, "b": [[1] * 10] * 10}})
+    [result] = parse_tool_calls(call(body), TOOLS)
+    assert isinstance(result, ToolCallParseError) and result.kind == "invalid_arguments"
+    assert "a: " in result.message and len(result.message) < 1000
+
+
+def test_a_huge_unknown_tool_name_is_not_echoed_back() -> None:
+    [result] = parse_tool_calls(call(json.dumps({"name": "n" * 1_000_000})), TOOLS)
+    assert isinstance(result, ToolCallParseError) and result.kind == "unknown_tool"
+    assert len(result.message) < 1000
+
+
+JSON_PIECES = [
+    "<tool_call>", "</tool_call>", "{", "}", "[", "]", '"', ":", ",", '"name"', '"arguments"',
+    '"add"', '"picky"', '"a"', "1", "-", "e999", "NaN", "Infinity", "null", "\\", "\\u", "\\ud800",
+    "\\udc00", "\\u0000", "\x00", "7" * 4400, "[" * 2000, "{\"a\": " * 300, "\ud800", " ",
+]  # fmt: skip
+fragments = st.lists(
+    st.one_of(st.sampled_from(JSON_PIECES), st.text(any_char, max_size=8)), max_size=30
+).map("".join)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(any_char, max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(any_char, max_size=5), inner, max_size=3)
+    ),
+    max_leaves=20,
+)
+# json.dumps writes a surrogate as a `\ud800` escape and a non-finite float as `NaN`, the way a
+# model would write them.
+call_json = json_values.map(lambda args: json.dumps({"name": "add", "arguments": args}))
+block = st.one_of(fragments, call_json).map(call)
+model_text = st.lists(st.one_of(fragments, block), max_size=4).map("".join)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_text)
+def test_parser_never_raises_and_every_result_can_be_stored(text: str) -> None:
+    for result in parse_tool_calls(text, TOOLS):
+        assert isinstance(result, ParsedToolCall | ToolCallParseError)
+        arguments = result.arguments if isinstance(result, ParsedToolCall) else None
+        error = result.message if isinstance(result, ToolCallParseError) else None
+        record = ToolCallRecord(
+            name=result.name or "", arguments=arguments, raw=result.raw, error=error
+        )
+        assert ToolCallRecord.model_validate_json(record.model_dump_json()) == record
+
+
+# ---- tools never raise ---------------------------------------------------------------------------
+
+
+@tool
+def adder(a: int, b: int = 0) -> int:
+    """Add two integers."""
+    return a + b
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+@tool
+def unprintable() -> str:
+    """Raises an exception whose text cannot be made."""
+    raise Unprintable
+
+
+@tool
+async def self_cancelling() -> str:
+    """Cancels its own task."""
+    raise asyncio.CancelledError
+
+
+@tool
+def picky(word: PickyArgs) -> str:
+    """Takes an argument whose validator raises TypeError."""
+    return "unreachable"
+
+
+def test_an_exception_without_text_is_a_raised_record() -> None:
+    record = run_tool_call(unprintable, {})
+    assert record.error_kind == "raised" and "Unprintable" in (record.error or "")
+
+
+def test_an_async_tool_that_cancels_itself_is_a_raised_record() -> None:
+    record = asyncio.run(arun_tool_call(self_cancelling, {}))
+    assert record.error_kind == "raised" and "CancelledError" in (record.error or "")
+
+
+def test_a_validator_that_raises_is_invalid_arguments_for_run_tool_call() -> None:
+    record = run_tool_call(picky, {"word": {"word": "x"}})
+    assert record.error_kind == "invalid_arguments" and "TypeError" in (record.error or "")
+
+
+def test_a_huge_unexpected_argument_name_is_not_echoed_back() -> None:
+    record = run_tool_call(adder, {"a": 1, "c" * 1_000_000: 1})
+    assert record.error_kind == "invalid_arguments" and "unexpected argument" in record.error
+    assert len(record.error or "") < 1000
