@@ -1,8 +1,9 @@
 """Hostile model and tool output never takes a rollout down.
 
 Covers the tool-call parser's "never raises" contract (deep nesting, huge numbers, NUL bytes,
-validators that raise), and text that cannot be encoded (lone surrogates in model output, tool
-arguments and tool results) reaching records and the store.
+validators that raise), text that cannot be encoded (lone surrogates in model output, tool
+arguments and tool results) reaching records and the store, and a first prompt longer than the
+context.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from agent_grpo.invariants import check_invariants
 from agent_grpo.rollout.backend import Generation, SamplingConfig
 from agent_grpo.rollout.collector import (
     CollectorConfig,
+    PromptTooLongError,
     Task,
     collect_groups,
 )
@@ -512,3 +514,39 @@ def test_a_huge_unexpected_argument_name_is_not_echoed_back() -> None:
     record = run_tool_call(adder, {"a": 1, "c" * 1_000_000: 1})
     assert record.error_kind == "invalid_arguments" and "unexpected argument" in record.error
     assert len(record.error or "") < 1000
+
+
+# ---- a first prompt longer than the context (issue 12, item 13) ----------------------------------
+
+
+def prompt_length(tokenizer: Any, env: ToolEnv[Any], seed: int) -> int:
+    observation, _ = env.reset(seed=seed)
+    return len(TokenBuilder(tokenizer, [Message.model_validate(m) for m in observation]).token_ids)
+
+
+@pytest.mark.parametrize("shortfall", [1, 0])
+def test_a_prompt_that_fills_the_context_is_a_clear_error(tokenizer, shortfall: int) -> None:
+    length = prompt_length(tokenizer, CalculatorEnv(), seed=5)
+    limit = length - shortfall
+    backend = ScriptedBackend(tokenizer, ["Answer: 1"])
+    config = CollectorConfig(group_size=2, max_context_tokens=limit, progress=False)
+    with pytest.raises(PromptTooLongError) as caught:
+        collect_groups(
+            [Task(env_id="agent_grpo/Calculator-v0", seed=5)], backend, tokenizer, config
+        )
+    message = str(caught.value)
+    assert "agent_grpo/Calculator-v0" in message and "seed 5" in message
+    assert f"{length} tokens" in message and f"max_context_tokens is {limit}" in message
+    assert backend.calls == 0  # nothing was sampled
+
+
+def test_a_prompt_one_token_short_of_the_context_samples_one_token(tokenizer) -> None:
+    length = prompt_length(tokenizer, CalculatorEnv(), seed=5)
+    config = CollectorConfig(group_size=1, max_context_tokens=length + 1, progress=False)
+    [record] = collect_groups(
+        [Task(env_id="agent_grpo/Calculator-v0", seed=5)],
+        ScriptedBackend(tokenizer, ["Answer: 1"]),
+        tokenizer,
+        config,
+    ).records
+    assert record.termination.reason == "max_context" and len(record.token_ids) == length + 1

@@ -12,6 +12,9 @@ Departures from common practice, on purpose:
   truncated with reward 0. A half-written tool call is not an answer.
 - Sampled tokens past the context limit are dropped, not re-tokenized: a prefix of a sampled
   sequence is still exactly what the model conditioned on.
+- A first prompt that leaves no room to sample (as long as `max_context_tokens` or longer) is
+  a `PromptTooLongError` before anything is generated, not a truncated record: no turn of it
+  could be trained on, and cutting the prompt would change the task.
 """
 
 from __future__ import annotations
@@ -38,7 +41,14 @@ from agent_grpo.rollout.backend import Generation, GenerationBackend, SamplingCo
 from agent_grpo.tokens import TokenBuilder
 from agent_grpo.trajectory import Message, Termination, TrajectoryRecord, TurnRecord
 
-__all__ = ["CollectorConfig", "RolloutMetrics", "RolloutResult", "Task", "collect_groups"]
+__all__ = [
+    "CollectorConfig",
+    "PromptTooLongError",
+    "RolloutMetrics",
+    "RolloutResult",
+    "Task",
+    "collect_groups",
+]
 
 
 class Task(BaseModel):
@@ -152,8 +162,30 @@ def _start_episode(task: Task, index: int, tokenizer: Any, env_factory: EnvFacto
 EnvFactory = Callable[..., gymnasium.Env[Any, Any]]
 
 
+class PromptTooLongError(ValueError):
+    """A task's first prompt leaves no room for a sampled token within `max_context_tokens`."""
+
+    def __init__(self, task: Task, prompt_tokens: int, max_context_tokens: int) -> None:
+        self.task = task
+        self.prompt_tokens = prompt_tokens
+        self.max_context_tokens = max_context_tokens
+        super().__init__(
+            f"the prompt of env {task.env_id!r} seed {task.seed} is {prompt_tokens} tokens, but "
+            f"max_context_tokens is {max_context_tokens}: no room to sample a turn. Raise "
+            "max_context_tokens or shorten the prompt."
+        )
+
+
+def _check_prompts_fit(episodes: Sequence[_Episode], max_context_tokens: int) -> None:
+    """Raise `PromptTooLongError` for the first episode whose prompt fills the context."""
+    for ep in episodes:
+        if ep.builder.context_length >= max_context_tokens:
+            raise PromptTooLongError(ep.task, ep.builder.context_length, max_context_tokens)
+
+
 def _fit_to_context(gen: Generation, room: int) -> tuple[Generation, bool]:
     """Drop sampled tokens past the context limit (a prefix of a sample is still exact)."""
+    room = max(0, room)  # a negative slice bound would keep tokens past the limit
     if len(gen.token_ids) <= room:
         return gen, False
     cut = Generation(gen.token_ids[:room], gen.logprobs[:room], "length", extra=gen.extra)
@@ -352,6 +384,12 @@ def collect_groups(
         for task in tasks
         for i in range(config.group_size)
     ]
+    try:
+        _check_prompts_fit(episodes, config.max_context_tokens)
+    except PromptTooLongError:
+        for ep in episodes:
+            _close_quietly(ep.env)
+        raise
     with Progress(transient=True, disable=not config.progress) as progress:
         bar = progress.add_task("rollout", total=len(episodes))
         turn = 0
