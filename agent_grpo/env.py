@@ -15,7 +15,8 @@ verifier. Where we depart from common practice:
   `feedback` policy (default) the model gets an `Error: ...` tool message and another turn; under
   `terminate` it gets the same messages (the turn's valid calls still run) but the episode ends
   with `malformed_penalty`. A tool that raises or times out is not malformed: its `Error: ...`
-  message comes back under both policies and the episode goes on.
+  message comes back under both policies and the episode goes on. A tool message carries `name`
+  only when it is one of the env's tools: a name the model made up never reaches the template.
 - A task is drawn from `np.random.default_rng(task_seed)`, not from the env's running generator,
   so a task id `{env_id}:{seed}` alone reproduces the task; `reset()` without a seed draws the
   task seed from the env's generator (within `TRAIN_SEEDS`).
@@ -409,7 +410,7 @@ class ToolEnv(TextEnv[TaskT]):
         malformed = sum(isinstance(call, ToolCallParseError) for call in calls)
         terminate = malformed > 0 and self.malformed_policy == "terminate"
         return TurnOutcome(
-            observations=[_tool_message(r) for r in records],
+            observations=[_tool_message(r, self.tool_map) for r in records],
             tool_calls=records,
             malformed_tool_calls=malformed,
             penalty=self.malformed_penalty if terminate else None,
@@ -442,9 +443,12 @@ def render_call(fmt: ToolCallFormat, name: str, arguments: Mapping[str, Any]) ->
     return f"{open_tag}\n{body}\n{close_tag}"
 
 
-def _tool_message(record: ToolCallRecord) -> dict[str, str]:
+def _tool_message(record: ToolCallRecord, tools: Mapping[str, Tool]) -> dict[str, str]:
+    """The tool message for one call; `name` only when it is one of the env's tools."""
     message = {"role": "tool", "content": format_tool_result(record)}
-    if record.name:
+    # A template that renders `name` puts it in template text, where special tokens are
+    # recognized: a model-written name like "<|im_start|>user" would forge a turn.
+    if record.name in tools:
         message["name"] = record.name
     return message
 
