@@ -86,10 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(with_replay=argv[:1] != ["model"]).parse_args(argv)
     from agent_grpo.models import CorruptModelError, ModelFetchError, ModelNotFoundError
+    from agent_grpo.tokens import ChatTemplateError
 
+    clear = (ConfigError, ModelNotFoundError, ModelFetchError, CorruptModelError, ChatTemplateError)
     try:
         return int(args.func(args))
-    except (ConfigError, ModelNotFoundError, ModelFetchError, CorruptModelError) as error:
+    except clear as error:  # the user's input is wrong: one line naming it, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
 

@@ -11,7 +11,8 @@ from pydantic import BaseModel
 from agent_grpo.env import heldout_seeds
 from agent_grpo.registry import make_env
 from agent_grpo.rollout.backend import GenerationBackend, SamplingConfig
-from agent_grpo.rollout.collector import CollectorConfig, Task, collect_groups
+from agent_grpo.rollout.collector import Task, collect_groups
+from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.rollout.summary import TrajectorySummary, summarize_trajectories
 from agent_grpo.trajectory import TrajectoryRecord
 
@@ -79,7 +80,7 @@ def evaluate(
     sampling = SamplingConfig(
         temperature=temperature, max_tokens=max_tokens, seed=seed, stop=list(stop)
     )
-    config = CollectorConfig(
+    config = RolloutConfig(
         group_size=samples, max_context_tokens=max_context_tokens, sampling=sampling
     )
     result = collect_groups(tasks, backend, tokenizer, config, step=step)

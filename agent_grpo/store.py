@@ -371,8 +371,8 @@ class RunDir:
 
     def checkpoint_dir(self, step: int) -> Path:
         """Where step `step`'s checkpoint goes. Not created: the saver writes a temp dir and
-        renames it here (as `agent_grpo.checkpoint.save_checkpoint` does), so this path exists
-        only once the checkpoint is whole."""
+        renames it here (as `agent_grpo.train.checkpoint.save_checkpoint` does), so this path
+        exists only once the checkpoint is whole."""
         folder = self.path / "checkpoints"
         folder.mkdir(exist_ok=True)
         return folder / _step_name(step)

@@ -88,7 +88,10 @@ def _valid_texts(value: Any, depth: int = 0) -> Any:
 
 
 class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    # NaN/inf rewards are kept as recorded (JSON NaN/Infinity constants), never turned into null
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, ser_json_inf_nan="constants"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -225,6 +228,9 @@ class TrajectoryRecord(_Record):
     """Whether the verifier judged the task solved."""
     advantage: float | None = None
     """Group-relative advantage (filled by the trainer)."""
+    excluded: str | None = None
+    """Why this episode was left out of its group's statistics and the loss (an infrastructure
+    failure, a non-finite reward); None when it counted. Filled by the trainer."""
     turns: list[TurnRecord] = Field(default_factory=list)
     """Per-turn detail: sampled span, tool calls, latencies."""
     termination: Termination

@@ -31,7 +31,8 @@ from agent_grpo.env import read_step_info, train_seeds
 from agent_grpo.models import load_model, load_tokenizer
 from agent_grpo.registry import make_env
 from agent_grpo.rollout.backend import Generation, GenerationBackend, SamplingConfig
-from agent_grpo.rollout.collector import CollectorConfig, Task, collect_groups
+from agent_grpo.rollout.collector import Task, collect_groups
+from agent_grpo.rollout.config import RolloutConfig
 
 __all__ = [
     "RolloutSpec",
@@ -171,7 +172,7 @@ def replay_ceiling(model: PreTrainedModel, schedule: Schedule, seed: int = 0) ->
 def _collect(backend: GenerationBackend, tokenizer: Any, spec: RolloutSpec, env_id: str) -> dict:
     """One timed `collect_groups` over the spec's tasks; its metrics and replayable schedule."""
     traced = TracingBackend(backend)
-    config = CollectorConfig(
+    config = RolloutConfig(
         group_size=spec.group_size,
         max_context_tokens=spec.max_context,
         sampling=spec.sampling(env_id),

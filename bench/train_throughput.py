@@ -81,7 +81,8 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
     from agent_grpo.algo.grpo import group_advantages
     from agent_grpo.models import load_model, load_tokenizer
     from agent_grpo.rollout.backend import SamplingConfig
-    from agent_grpo.rollout.collector import CollectorConfig, Task, collect_groups
+    from agent_grpo.rollout.collector import Task, collect_groups
+    from agent_grpo.rollout.config import RolloutConfig
     from agent_grpo.rollout.hf_backend import HFBackend
     from agent_grpo.train.batch import pack_records
     from agent_grpo.train.config import AlgoConfig
@@ -99,7 +100,7 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
     seeds = train_seeds(args.tasks, random.Random(args.seed))
     tasks = [Task(env_id=ENV_ID, seed=s, env_kwargs={"max_turns": 1}) for s in seeds]
     sampling = SamplingConfig(temperature=1.0, max_tokens=args.completion_length, seed=args.seed)
-    config = CollectorConfig(group_size=args.group_size, sampling=sampling, progress=False)
+    config = RolloutConfig(group_size=args.group_size, sampling=sampling, progress=False)
     with PeakWindow() as generate:
         records = collect_groups(tasks, backend, tokenizer, config).records
         rewards = torch.tensor(random_rewards(len(records), args.seed))  # [B]

@@ -32,7 +32,6 @@ from agent_grpo.algo.grpo import policy_loss, truncated_is_weights
 from agent_grpo.models import load_model
 from agent_grpo.train.batch import PackedBatch
 from agent_grpo.train.config import AlgoConfig
-from agent_grpo.train.update import batch_logprobs, minibatch_update
 from agent_grpo.train.parallel import (
     DistContext,
     full_state_dict,
@@ -42,6 +41,7 @@ from agent_grpo.train.parallel import (
     wrap_policy,
     wrap_reference,
 )
+from agent_grpo.train.update import batch_logprobs, minibatch_update
 
 
 def free_port() -> int:

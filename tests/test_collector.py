@@ -14,7 +14,8 @@ from agent_grpo.env import ToolEnv, Verdict
 from agent_grpo.envs.answers import text_verdict
 from agent_grpo.invariants import check_invariants
 from agent_grpo.rollout.backend import Generation, SamplingConfig
-from agent_grpo.rollout.collector import CollectorConfig, Task, collect_groups
+from agent_grpo.rollout.collector import Task, collect_groups
+from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.tool import tool
 from agent_grpo.trajectory import Provenance
 
@@ -61,7 +62,7 @@ CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}
 def test_calculator_groups_are_batched_per_turn_and_pass_invariants(tokenizer) -> None:
     backend = ScriptedBackend(tokenizer, [CALL, "Answer: 408"])
     tasks = [Task(env_id="agent_grpo/Calculator-v0", seed=s) for s in (3, 7, 11)]
-    config = CollectorConfig(group_size=2, sampling=SamplingConfig(max_tokens=64), progress=False)
+    config = RolloutConfig(group_size=2, sampling=SamplingConfig(max_tokens=64), progress=False)
     result = collect_groups(tasks, backend, tokenizer, config)
     # two turns, each ONE call covering all 3 x 2 trajectories
     assert backend.calls == [6, 6]
@@ -87,7 +88,7 @@ def test_calculator_groups_are_batched_per_turn_and_pass_invariants(tokenizer) -
 
 def test_max_tokens_per_turn_truncates_without_verifying(tokenizer) -> None:
     backend = ScriptedBackend(tokenizer, ["Answer: " + "9" * 200])
-    config = CollectorConfig(group_size=1, sampling=SamplingConfig(max_tokens=8), progress=False)
+    config = RolloutConfig(group_size=1, sampling=SamplingConfig(max_tokens=8), progress=False)
     [record] = collect_groups(
         [Task(env_id="agent_grpo/Calculator-v0", seed=1)], backend, tokenizer, config
     ).records
@@ -102,10 +103,10 @@ def test_context_limit_drops_sampled_tokens_past_it(tokenizer) -> None:
         [Task(env_id="agent_grpo/Calculator-v0", seed=1)],
         backend,
         tokenizer,
-        CollectorConfig(group_size=1, progress=False),
+        RolloutConfig(group_size=1, progress=False),
     ).records[0]
     prompt_len = probe.lengths.prompt
-    config = CollectorConfig(group_size=1, max_context_tokens=prompt_len + 5, progress=False)
+    config = RolloutConfig(group_size=1, max_context_tokens=prompt_len + 5, progress=False)
     [record] = collect_groups(
         [Task(env_id="agent_grpo/Calculator-v0", seed=1)], backend, tokenizer, config
     ).records
@@ -164,7 +165,7 @@ SLOW_CALL = '<tool_call>{"name": "slow", "arguments": {"seconds": 5}}</tool_call
 
 def test_a_tool_past_its_timeout_is_recorded_and_the_batch_finishes(tokenizer) -> None:
     backend = ScriptedBackend(tokenizer, [SLOW_CALL, "Answer: done"])
-    config = CollectorConfig(group_size=4, progress=False)
+    config = RolloutConfig(group_size=4, progress=False)
     started = time.perf_counter()
     records = collect_groups([Task(env_id=SLOW, seed=0)], backend, tokenizer, config).records
     assert time.perf_counter() - started < 3.0  # 4 concurrent 5 s sleeps, each cut at 0.3 s
@@ -181,7 +182,7 @@ def test_a_hanging_or_failing_env_errors_only_its_own_trajectory(tokenizer) -> N
         Task(env_id=SLOW, seed=0, env_kwargs={"fail": True}),
         Task(env_id=SLOW, seed=0),
     ]
-    config = CollectorConfig(group_size=2, env_step_timeout_s=0.5, progress=False)
+    config = RolloutConfig(group_size=2, env_step_timeout_s=0.5, progress=False)
     started = time.perf_counter()
     records = collect_groups(tasks, backend, tokenizer, config).records
     assert time.perf_counter() - started < 2.5
@@ -197,7 +198,7 @@ def test_hf_backend_same_seeds_same_trajectories(tokenizer, tiny_model) -> None:
 
     model, _ = tiny_model
     tasks = [Task(env_id="agent_grpo/Calculator-v0", seed=s) for s in (1, 2)]
-    config = CollectorConfig(
+    config = RolloutConfig(
         group_size=3,
         progress=False,
         sampling=SamplingConfig(temperature=1.0, max_tokens=12, seed=5),
@@ -235,7 +236,7 @@ def test_hf_backend_trajectories_pass_the_invariants_on_every_env(tokenizer, tin
 
     model, _ = tiny_model
     sampling = SamplingConfig(temperature=1.0, max_tokens=16, stop=["</tool_call>"])
-    config = CollectorConfig(group_size=2, sampling=sampling, progress=False)
+    config = RolloutConfig(group_size=2, sampling=sampling, progress=False)
     tasks = [Task(env_id=f"agent_grpo/{name}", seed=3)]
     records = collect_groups(tasks, HFBackend(model, tokenizer), tokenizer, config).records
     assert len(records) == 2 and all(r.lengths.model > 0 for r in records)

@@ -19,10 +19,10 @@ import pytest
 import torch
 from dist_worker import run_torchrun
 
-from agent_grpo.logprobs import token_logprobs
-from agent_grpo.models import load_model
 from agent_grpo.algo.grpo import policy_loss, truncated_is_weights
 from agent_grpo.algo.objective import loss_denominator
+from agent_grpo.logprobs import token_logprobs
+from agent_grpo.models import load_model
 from agent_grpo.train.batch import PackedBatch
 from agent_grpo.train.config import AlgoConfig
 from agent_grpo.train.parallel import (

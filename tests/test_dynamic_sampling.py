@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agent_grpo.train import rollout as train
 from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult, Task
+from agent_grpo.train import rollout as train
 from agent_grpo.train.config import TrainConfig
 from agent_grpo.train.metrics import dead_group_mask
 from agent_grpo.trajectory import Lengths, Message, Termination, TrajectoryRecord

@@ -25,12 +25,8 @@ from agent_grpo.env import ToolEnv, Verdict, read_step_info
 from agent_grpo.envs.calculator import CalculatorEnv
 from agent_grpo.invariants import check_invariants
 from agent_grpo.rollout.backend import Generation, SamplingConfig
-from agent_grpo.rollout.collector import (
-    CollectorConfig,
-    PromptTooLongError,
-    Task,
-    collect_groups,
-)
+from agent_grpo.rollout.collector import PromptTooLongError, Task, collect_groups
+from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.store import RunDir
 from agent_grpo.tokens import TokenBuilder, encode_plain
 from agent_grpo.tool import arun_tool_call, run_tool_call, tool
@@ -235,7 +231,7 @@ def test_surrogates_in_tool_arguments_and_results_reach_a_stored_record(
         '<tool_call>{"name": "raw_output", "arguments": {}}</tool_call>',
         "done",
     ]
-    config = CollectorConfig(group_size=2, progress=False)
+    config = RolloutConfig(group_size=2, progress=False)
     result = collect_groups(
         [Task(env_id="test/Echo-v0", seed=1)],
         ScriptedBackend(tokenizer, script),
@@ -530,7 +526,7 @@ def test_a_prompt_that_fills_the_context_is_a_clear_error(tokenizer, shortfall: 
     length = prompt_length(tokenizer, CalculatorEnv(), seed=5)
     limit = length - shortfall
     backend = ScriptedBackend(tokenizer, ["Answer: 1"])
-    config = CollectorConfig(group_size=2, max_context_tokens=limit, progress=False)
+    config = RolloutConfig(group_size=2, max_context_tokens=limit, progress=False)
     with pytest.raises(PromptTooLongError) as caught:
         collect_groups(
             [Task(env_id="agent_grpo/Calculator-v0", seed=5)], backend, tokenizer, config
@@ -543,7 +539,7 @@ def test_a_prompt_that_fills_the_context_is_a_clear_error(tokenizer, shortfall: 
 
 def test_a_prompt_one_token_short_of_the_context_samples_one_token(tokenizer) -> None:
     length = prompt_length(tokenizer, CalculatorEnv(), seed=5)
-    config = CollectorConfig(group_size=1, max_context_tokens=length + 1, progress=False)
+    config = RolloutConfig(group_size=1, max_context_tokens=length + 1, progress=False)
     [record] = collect_groups(
         [Task(env_id="agent_grpo/Calculator-v0", seed=5)],
         ScriptedBackend(tokenizer, ["Answer: 1"]),

@@ -18,7 +18,8 @@ import torch
 from agent_grpo.env import TextEnv, TurnOutcome
 from agent_grpo.models import build_tiny_model, load_model
 from agent_grpo.rollout.backend import SamplingConfig
-from agent_grpo.rollout.collector import CollectorConfig, RolloutMetrics, Task, collect_groups
+from agent_grpo.rollout.collector import RolloutMetrics, Task, collect_groups
+from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.rollout.hf_backend import HFBackend
 from agent_grpo.rollout.ray_pool import merge_metrics, split_tasks
 from agent_grpo.trajectory import TrajectoryRecord
@@ -44,7 +45,7 @@ TASKS = [
     Task(env_id="agent_grpo/Calculator-v0", seed=12),
     Task(env_id=CHATTER, seed=3, env_kwargs={"max_turns": 3}),
 ]
-COLLECTOR = CollectorConfig(
+COLLECTOR = RolloutConfig(
     group_size=2,
     max_context_tokens=512,
     progress=False,

@@ -33,16 +33,15 @@ import gymnasium
 from pydantic import BaseModel, ConfigDict
 from rich.progress import Progress
 
-from agent_grpo.config import ConfigModel
 from agent_grpo.env import read_step_info
 from agent_grpo.invariants import check_invariants
 from agent_grpo.registry import make_env
-from agent_grpo.rollout.backend import Generation, GenerationBackend, SamplingConfig
-from agent_grpo.tokens import TokenBuilder
+from agent_grpo.rollout.backend import Generation, GenerationBackend
+from agent_grpo.rollout.config import RolloutConfig
+from agent_grpo.tokens import ChatTemplateError, TokenBuilder
 from agent_grpo.trajectory import Message, Termination, TrajectoryRecord, TurnRecord
 
 __all__ = [
-    "CollectorConfig",
     "PromptTooLongError",
     "RolloutMetrics",
     "RolloutResult",
@@ -67,23 +66,6 @@ class Task(BaseModel):
     def task_id(self) -> str:
         """Stable prompt id shared by every sample of this task."""
         return f"{self.env_id}:{self.seed}"
-
-
-class CollectorConfig(ConfigModel):
-    """Limits and sampling for one collection."""
-
-    group_size: int = 8
-    """G: trajectories sampled per task."""
-    max_context_tokens: int = 2048
-    """Largest total sequence (prompt + all turns); longer episodes end as truncated."""
-    env_step_timeout_s: float = 60.0
-    """Deadline for one environment step (all its tool calls); past it the trajectory errors."""
-    sampling: SamplingConfig = SamplingConfig()
-    """How tokens are sampled each turn."""
-    check_invariants: bool = True
-    """Check the provenance invariants on every record (cheap; leave on)."""
-    progress: bool = True
-    """Show a progress display while collecting."""
 
 
 class RolloutMetrics(BaseModel):
@@ -195,7 +177,7 @@ def _fit_to_context(gen: Generation, room: int) -> tuple[Generation, bool]:
 def _generate_turn(
     active: list[_Episode],
     backend: GenerationBackend,
-    config: CollectorConfig,
+    config: RolloutConfig,
     step: int,
     turn: int,
 ) -> list[tuple[Generation, bool]]:
@@ -278,12 +260,16 @@ def _step_all(stepping: list[_Episode], timeout_s: float) -> None:
             continue
         try:
             _apply_step(ep, result)
+        except ChatTemplateError:
+            # the chat template, not this env, is broken: every episode would end the same way
+            # as a reward-0 "error", so the run stops with the template's own message
+            raise
         except Exception as error:
             ep.termination = Termination(kind="error", reason=f"{type(error).__name__}: {error}")
 
 
 def _to_record(
-    ep: _Episode, group_id: str, group_size: int, step: int, run_id: str, config: CollectorConfig
+    ep: _Episode, group_id: str, group_size: int, step: int, run_id: str, config: RolloutConfig
 ) -> TrajectoryRecord:
     b = ep.builder
     assert ep.termination is not None
@@ -327,7 +313,7 @@ def _run_turn(
     active: list[_Episode],
     backend: GenerationBackend,
     tokenizer: Any,
-    config: CollectorConfig,
+    config: RolloutConfig,
     step: int,
     turn: int,
     metrics: RolloutMetrics,
@@ -370,7 +356,7 @@ def collect_groups(
     tasks: Sequence[Task],
     backend: GenerationBackend,
     tokenizer: Any,
-    config: CollectorConfig,
+    config: RolloutConfig,
     *,
     step: int = 0,
     run_id: str = "",

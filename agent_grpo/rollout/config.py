@@ -80,3 +80,7 @@ class RolloutConfig(ConfigModel):
     """Deadline for one environment step."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings for training rollouts."""
+    check_invariants: bool = True
+    """Check the provenance invariants on every record (cheap; leave on)."""
+    progress: bool = True
+    """Show a progress display while collecting."""

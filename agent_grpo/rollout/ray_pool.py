@@ -28,14 +28,8 @@ from typing import Any
 import torch
 
 from agent_grpo.models import load_model, load_tokenizer
-from agent_grpo.rollout.collector import (
-    CollectorConfig,
-    RolloutMetrics,
-    RolloutResult,
-    Task,
-    collect_groups,
-)
-from agent_grpo.rollout.config import BackendConfig, HFBackendConfig
+from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult, Task, collect_groups
+from agent_grpo.rollout.config import BackendConfig, HFBackendConfig, RolloutConfig
 from agent_grpo.rollout.factory import build_backend
 from agent_grpo.trajectory import TrajectoryRecord
 
@@ -98,7 +92,7 @@ class RolloutWorker:
         self,
         model_path: str,
         backend: BackendConfig,
-        collector: CollectorConfig,
+        collector: RolloutConfig,
         dtype: str = "float32",
     ) -> None:
         self.tokenizer = load_tokenizer(model_path)
@@ -138,7 +132,7 @@ class RayRolloutPool:
         num_workers: int,
         model_path: str,
         backend: BackendConfig | None = None,
-        collector: CollectorConfig | None = None,
+        collector: RolloutConfig | None = None,
         *,
         dtype: str = "float32",
         num_cpus_per_worker: float = 1.0,
@@ -151,7 +145,7 @@ class RayRolloutPool:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self._ray = ray
         # A progress display inside an actor is only noise in the driver's log.
-        self.collector = (collector or CollectorConfig()).model_copy(update={"progress": False})
+        self.collector = (collector or RolloutConfig()).model_copy(update={"progress": False})
         actor = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(
             RolloutWorker
         )

@@ -15,7 +15,8 @@ from typing import Any
 from agent_grpo.env import train_seeds
 from agent_grpo.rewards import apply_rewards, build_reward_fn
 from agent_grpo.rollout.backend import GenerationBackend
-from agent_grpo.rollout.collector import CollectorConfig, RolloutResult, Task, collect_groups
+from agent_grpo.rollout.collector import RolloutResult, Task, collect_groups
+from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.train.config import TrainConfig
 from agent_grpo.train.metrics import dead_group_mask
 from agent_grpo.trajectory import TrajectoryRecord
@@ -47,7 +48,7 @@ def _sample(
     config: TrainConfig,
     backend: GenerationBackend,
     tokenizer: Any,
-    collector: CollectorConfig,
+    collector: RolloutConfig,
     tasks: list[Task],
     step_id: int,
 ) -> RolloutResult:
@@ -67,12 +68,7 @@ def collect(
     sampling = config.rollout.sampling.model_copy(
         update={"stop": config.rollout.sampling.stop or stop}
     )
-    collector = CollectorConfig(
-        group_size=config.rollout.group_size,
-        max_context_tokens=config.rollout.max_context_tokens,
-        env_step_timeout_s=config.rollout.env_step_timeout_s,
-        sampling=sampling,
-    )
+    collector = config.rollout.model_copy(update={"sampling": sampling})
     result = _sample(config, backend, tokenizer, collector, step_tasks(config, step), step)
     if not config.algo.dynamic_sampling:
         return result
