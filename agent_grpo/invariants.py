@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from agent_grpo.tokens import _first_difference, count_lengths, turn_text
+from agent_grpo.tokens import _first_difference, count_lengths, turn_end_ids, turn_text
 from agent_grpo.trajectory import Provenance, TrajectoryRecord
 
 __all__ = ["TrajectoryInvariantError", "check_invariants"]
@@ -93,6 +93,7 @@ def _check_logprobs(record: TrajectoryRecord) -> None:
 
 def _check_turns(record: TrajectoryRecord, tokenizer: PreTrainedTokenizerBase) -> None:
     uid, covered = record.uid, 0
+    turn_end = turn_end_ids(tokenizer).id
     for k, turn in enumerate(record.turns):
         start, end = turn.token_start, turn.token_end
         if turn.index != k or not covered <= start <= end <= len(record.token_ids):
@@ -104,9 +105,9 @@ def _check_turns(record: TrajectoryRecord, tokenizer: PreTrainedTokenizerBase) -
         )
         if bad is not None:
             raise TrajectoryInvariantError(uid, bad, f"turn {k} span holds a non-model token")
-        if turn_text(tokenizer, record.token_ids[start:end]) != turn.model_text:
+        if turn_text(tokenizer, record.token_ids[start:end], turn_end) != turn.model_text:
             raise TrajectoryInvariantError(
-                uid, start, f"turn {k} model_text is not the decode of its span (minus EOS)"
+                uid, start, f"turn {k} model_text is not the decode of its span (minus turn end)"
             )
         covered = end
     in_span = {i for t in record.turns for i in range(t.token_start, t.token_end)}

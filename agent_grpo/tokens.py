@@ -12,10 +12,13 @@ into segments, in order:
   (`split_special_tokens=True`), so a tool output containing `<|im_start|>assistant` becomes
   ordinary text tokens and can never forge a turn.
 - model segments: an assistant turn is never tokenized; its ids are the sampled ids, and its
-  message content (and `TurnRecord.model_text`) is their decode minus a trailing EOS
-  (`tokenizer.eos_token_id`, the only id treated as end of turn), with lone surrogates replaced
-  (`agent_grpo.trajectory.valid_text`). When the sampled ids end with EOS, the template segment
-  after them starts with that same EOS, dropped there, not repeated.
+  message content (and `TurnRecord.model_text`) is their decode minus a trailing turn end, with
+  lone surrogates replaced (`agent_grpo.trajectory.valid_text`). The turn end (`turn_end_ids`) is
+  the id the chat template writes right after an assistant message's content (ChatML:
+  `<|im_end|>`), whatever the tokenizer's EOS is; it is the only id treated as end of turn, and
+  backends stop on it. When the sampled ids end with it, the template segment after them starts
+  with that same id, dropped there, not repeated. A sampled EOS that is not the turn end is
+  content: the template's full closing follows it.
 
 The canonical sequence is the concatenation of every segment tokenized on its own. Where we depart
 from common practice: `apply_chat_template(tokenize=True)` tokenizes the whole rendered text in
@@ -46,12 +49,14 @@ __all__ = [
     "Segment",
     "TemplateNotAppendOnlyError",
     "TokenBuilder",
+    "TurnEnd",
     "TurnSpan",
     "count_lengths",
     "encode_plain",
     "encode_template",
     "render_reference",
     "segment_conversation",
+    "turn_end_ids",
     "turn_text",
 ]
 
@@ -101,10 +106,11 @@ class TurnSpan:
     end: int
     """Index one past the turn's last model token."""
     model_text: str
-    """Decode of the sampled ids minus a trailing EOS: the assistant message content, and what
-    `TurnRecord.model_text` must hold."""
-    ended_with_eos: bool
-    """Whether the last sampled id is the EOS token."""
+    """Decode of the sampled ids minus a trailing turn end: the assistant message content, and
+    what `TurnRecord.model_text` must hold."""
+    ended_turn: bool
+    """Whether the last sampled id is the turn end (`TurnEnd.id`), which the template then does
+    not repeat."""
 
 
 def encode_template(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -180,26 +186,81 @@ def segment_conversation(
     return segments
 
 
-def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
+@dataclass(frozen=True)
+class TurnEnd:
+    """The ids that end an assistant turn, read off a tokenizer and its chat template."""
+
+    id: int
+    """The id the chat template writes right after an assistant message's content (ChatML:
+    `<|im_end|>`). A sampled turn ending with it has ended: it is left out of the turn's content
+    and the template's own copy is not repeated."""
+    stop_ids: tuple[int, ...]
+    """Ids a backend stops sampling on, sorted: `id` and the tokenizer's EOS (which a model may
+    sample too; when it is not `id` it stays in the turn's content)."""
+
+
+# A shape every common chat template accepts. The assistant message is last because some templates
+# drop the content of earlier ones (reasoning, history).
+_PROBE = (Message(role="user", content="hi"), Message(role="assistant", content="ok"))
+
+
+def _special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    added = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return added | set(tokenizer.all_special_ids)
+
+
+def _closing_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """First id of the template text right after the probe's assistant content, if any."""
+    if tokenizer.chat_template is None:
+        return None
+    segments = segment_conversation(tokenizer, _PROBE, generation_prompt=False)
+    after = next(i for i, s in enumerate(segments) if s.message == 1) + 1
+    if after == len(segments) or segments[after].message is not None:
+        return None
+    return next(iter(encode_template(tokenizer, segments[after].text)), None)
+
+
+def turn_end_ids(tokenizer: PreTrainedTokenizerBase) -> TurnEnd:
+    """Where an assistant turn ends: the first id the chat template writes after an assistant
+    message's content when that is a special token, else (or without a template) the EOS.
+
+    The one source of truth for the token builder, every backend's stop ids and the warm start's
+    expert turns: a tokenizer's EOS need not be the turn end (base-model EOS `<|endoftext|>` with
+    a ChatML template, Llama 3's `<|end_of_text|>` and `<|eot_id|>`).
+    """
+    closing = _closing_id(tokenizer)
     eos = tokenizer.eos_token_id
-    assert isinstance(eos, int), "the tokenizer needs a single EOS id (`eos_token`)"
-    return eos
+    if closing is not None and closing in _special_ids(tokenizer):
+        end = closing
+    elif isinstance(eos, int):
+        end = eos
+    else:
+        raise ChatTemplateError(
+            f"chat template of {tokenizer.name_or_path!r} closes an assistant turn with no special "
+            "token and the tokenizer has no single EOS id: no id can end a turn"
+        )
+    return TurnEnd(end, tuple(sorted({end} | ({eos} if isinstance(eos, int) else set()))))
 
 
-def turn_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
-    """A model turn's text: decode of its sampled ids minus a trailing EOS, specials kept, lone
-    surrogates replaced by U+FFFD (`valid_text`) so the text can be stored."""
-    ids = list(ids[:-1]) if ids[-1:] == [_eos_id(tokenizer)] else list(ids)
+def turn_text(
+    tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], turn_end: int | None = None
+) -> str:
+    """A model turn's text: decode of its sampled ids minus a trailing turn end (`turn_end`, by
+    default `turn_end_ids(tokenizer).id`), specials kept, lone surrogates (a decoder that passes
+    bytes through) replaced by U+FFFD so the text can be stored."""
+    end = turn_end_ids(tokenizer).id if turn_end is None else turn_end
+    ids = list(ids[:-1]) if list(ids[-1:]) == [end] else list(ids)
     text = tokenizer.decode(ids, skip_special_tokens=False)
     assert isinstance(text, str)
     return valid_text(text)
 
 
-def _drop_eos(ids: list[int], eos: int, template: str) -> list[int]:
-    if not ids or ids[0] != eos:
+def _drop_turn_end(ids: list[int], turn_end: int, template: str) -> list[int]:
+    # The turn end is read off a probe conversation; a template may close other turns otherwise.
+    if not ids or ids[0] != turn_end:
         raise ChatTemplateError(
-            f"the model turn ended with EOS id {eos} but chat template {template!r} closes the "
-            f"assistant turn with ids {ids[:4]}"
+            f"the model turn ended with turn-end id {turn_end} but chat template {template!r} "
+            f"closes this assistant turn with ids {ids[:4]}"
         )
     return ids[1:]
 
@@ -218,7 +279,9 @@ class TokenBuilder:
             raise ValueError("the prompt needs at least one message")
         self._tok = tokenizer
         self._template = template_name or str(tokenizer.name_or_path)
-        self._eos = _eos_id(tokenizer)
+        self.turn_end = turn_end_ids(tokenizer)
+        """The ids that end a turn: a sampled `turn_end.id` closes it; a backend stops on
+        `turn_end.stop_ids`."""
         self._ids: list[int] = []
         self._provenance: list[Provenance] = []
         self._logprobs: list[float | None] = []
@@ -232,7 +295,8 @@ class TokenBuilder:
         for seg in segments:
             encode = encode_template if seg.message is None else encode_plain
             self._append(encode(tokenizer, seg.text), Provenance.PROMPT)
-        # The rendered text the tokens stand for; a sampled EOS is left out until its template.
+        # The rendered text the tokens stand for; a sampled turn end is left out until its
+        # template.
         self._text = "".join(s.text for s in segments)
 
     def _append(
@@ -250,7 +314,7 @@ class TokenBuilder:
         )
 
     def add_model_turn(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> TurnSpan:
-        """Append one turn's exact sampled ids (EOS or not) and their sampler logprobs."""
+        """Append one turn's exact sampled ids (turn end or not) and their sampler logprobs."""
         if not self._awaiting_model:
             raise ValueError("two model turns in a row: add the observations in between first")
         if len(token_ids) != len(logprobs):
@@ -259,8 +323,8 @@ class TokenBuilder:
             if not math.isfinite(lp):
                 raise ValueError(f"sampled token {i} of turn {len(self._spans)} has logprob {lp}")
         ids = list(token_ids)
-        ended = bool(ids) and ids[-1] == self._eos
-        content = turn_text(self._tok, ids)
+        ended = bool(ids) and ids[-1] == self.turn_end.id
+        content = turn_text(self._tok, ids, self.turn_end.id)
         span = TurnSpan(len(self._spans), len(self._ids), len(self._ids) + len(ids), content, ended)
         self._append(ids, Provenance.MODEL, [float(lp) for lp in logprobs])
         self._spans.append(span)
@@ -290,19 +354,19 @@ class TokenBuilder:
                 f"chat template {self._template!r} renders the last assistant content elsewhere "
                 "than after the generation prompt"
             )
-        drop_eos = self._spans[-1].ended_with_eos
+        drop = self._spans[-1].ended_turn
         for seg in segments[last_model + 1 :]:
             if seg.message is None:
                 ids = encode_template(self._tok, seg.text)
                 self._append(
-                    _drop_eos(ids, self._eos, self._template) if drop_eos else ids,
+                    _drop_turn_end(ids, self.turn_end.id, self._template) if drop else ids,
                     Provenance.TEMPLATE,
                 )
             else:
-                if drop_eos:
+                if drop:
                     raise ChatTemplateError(f"chat template {self._template!r} has no end of turn")
                 self._append(encode_plain(self._tok, seg.text), Provenance.OBSERVATION)
-            drop_eos = False
+            drop = False
         self._messages = after
         self._text = after_text
 
@@ -367,7 +431,7 @@ def render_reference(
     prompt_messages_count: int,
 ) -> tuple[list[int], list[Provenance]]:
     """Canonical ids and provenance of a finished conversation, rendered from scratch in one go."""
-    eos = _eos_id(tokenizer)
+    turn_end = turn_end_ids(tokenizer).id
     ends_on_model = len(messages) > prompt_messages_count and messages[-1].role == "assistant"
     segments = segment_conversation(tokenizer, messages, generation_prompt=not ends_on_model)
     if ends_on_model:  # the closing of the last turn has not been appended yet
@@ -377,11 +441,11 @@ def render_reference(
     turns = iter(model_token_ids_per_turn)
     ids: list[int] = []
     provenance: list[Provenance] = []
-    seen_model, drop_eos = False, False
+    seen_model, drop = False, False
     for seg in segments:
         if seg.message is None:
             piece = encode_template(tokenizer, seg.text)
-            piece = _drop_eos(piece, eos, "") if drop_eos else piece
+            piece = _drop_turn_end(piece, turn_end, "") if drop else piece
             kind = Provenance.TEMPLATE if seen_model else Provenance.PROMPT
         elif seg.message < prompt_messages_count:
             piece, kind = encode_plain(tokenizer, seg.text), Provenance.PROMPT
@@ -390,7 +454,7 @@ def render_reference(
             seen_model = True
         else:
             piece, kind = encode_plain(tokenizer, seg.text), Provenance.OBSERVATION
-        drop_eos = kind is Provenance.MODEL and piece[-1:] == [eos]
+        drop = kind is Provenance.MODEL and piece[-1:] == [turn_end]
         ids.extend(piece)
         provenance.extend([kind] * len(piece))
     if next(turns, None) is not None:

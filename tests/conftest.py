@@ -6,6 +6,7 @@ Session-scoped objects (`tokenizer`, `tiny_model_dir`) are shared by every test:
 
 from __future__ import annotations
 
+import copy
 import os
 
 # Set before anything imports huggingface_hub (it reads this once, at import): no test downloads.
@@ -61,3 +62,18 @@ def tiny_model_dir(
 ) -> Path:
     """The seed-0 tiny model saved as a Hugging Face directory, for engines that need a path."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="session", params=["eos-endoftext", "template-endoftext"])
+def eos_not_turn_end(
+    request: pytest.FixtureRequest, tokenizer: PreTrainedTokenizerBase
+) -> PreTrainedTokenizerBase:
+    """A copy of the real tokenizer whose EOS is not what closes an assistant turn: EOS
+    `<|endoftext|>` (0) under the ChatML template (turn end `<|im_end|>`, 2), or EOS `<|im_end|>`
+    under a template that closes turns with `<|endoftext|>`. Both stop on (0, 2)."""
+    other = copy.deepcopy(tokenizer)
+    if request.param == "eos-endoftext":
+        other.eos_token = "<|endoftext|>"
+    else:
+        other.chat_template = tokenizer.chat_template.replace("<|im_end|>", "<|endoftext|>")
+    return other

@@ -16,7 +16,6 @@ from agent_grpo.rollout.hf_backend import (
     PrefixCache,
     attention_bias,
     common_prefix_len,
-    default_eos_ids,
     filter_top_k_top_p,
     inverse_cdf,
     position_ids,
@@ -96,7 +95,6 @@ def test_stop_hit_on_strings_split_across_tokens(tokenizer):
         assert fast == reference, stops
         assert sum(fast) > 0
     assert not stop_hit(tokenizer, ids, [], stop_window([]))
-    assert default_eos_ids(tokenizer) == [2]
 
 
 def test_attention_bias_and_positions_skip_holes():

@@ -65,6 +65,8 @@ def test_request_sends_token_ids_seed_and_neutral_defaults() -> None:
     assert (body["max_tokens"], body["seed"], body["stop"]) == (5, 42, ["</a>"])
     assert body["return_token_ids"] and body["return_tokens_as_token_ids"]
     assert body["repetition_penalty"] == 1.0 and body["min_p"] == 0.0
+    assert body["stop_token_ids"] == []
+    assert completion_request("m", [1], sampling, 0, (0, 2))["stop_token_ids"] == [0, 2]
     json.dumps(body)  # must be plain JSON
 
 
@@ -183,6 +185,12 @@ def test_retries_on_503_then_succeeds() -> None:
     assert generation.token_ids == [21, EOS] and generation.logprobs == [-1.0, -0.5]
     assert generation.extra["attempts"] == 3.0 and len(script.bodies) == 3
     assert script.bodies[0]["seed"] == 1 and script.bodies[0]["prompt"] == [10, 20]
+
+
+def test_every_request_stops_on_the_backend_stop_ids() -> None:
+    with fake_server([(200, 0.0)]) as (url, script), backend(url, stop_token_ids=[7, 2]) as client:
+        client.generate([[1], [2]], SamplingConfig(), seeds=[0, 1])
+    assert [b["stop_token_ids"] for b in script.bodies] == [[7, 2], [7, 2]]
 
 
 def test_gives_up_after_max_retries_and_does_not_retry_a_400() -> None:

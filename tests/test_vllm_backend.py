@@ -6,6 +6,7 @@ attention kernels accept) and on the embedded SmolLM2-135M-Instruct.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import pytest
@@ -80,6 +81,7 @@ def test_sampling_params_carry_every_field_and_the_seed() -> None:
     assert (params.max_tokens, params.seed, params.logprobs) == (33, 1234, 0)
     assert params.stop == ["</x>"] and params.include_stop_str_in_output
     assert not params.skip_special_tokens
+    assert to_sampling_params(sampling, seed=1, stop_token_ids=(0, 2)).stop_token_ids == [0, 2]
 
 
 def test_to_generation_reads_the_sampled_tokens_logprob_not_the_top_one() -> None:
@@ -190,6 +192,28 @@ def test_update_weights_makes_engine_agree_with_trained_model(tmp_path, tokenize
         backend.close()
     with pytest.raises(VLLMBackendError):
         backend.generate([prompt], greedy, seeds=[0])
+
+
+@pytest.mark.slow
+def test_engine_stops_on_the_template_turn_end_not_only_on_eos(tmp_path, tokenizer) -> None:
+    # EOS stays `<|im_end|>` (2, all vLLM stops on by itself); the template closes turns with
+    # `<|endoftext|>` (0). A zeroed final norm makes every logit 0: greedy picks id 0 every step.
+    closes = copy.deepcopy(tokenizer)
+    closes.chat_template = tokenizer.chat_template.replace("<|im_end|>", "<|endoftext|>")
+    model = save_tiny_llama(tmp_path, closes)
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+    model.save_pretrained(tmp_path)
+    backend = VLLMBackend(
+        tmp_path, max_model_len=2048, kv_cache_memory_bytes=TINY_KV_BYTES, enforce_eager=True
+    )
+    try:
+        assert backend.stop_token_ids == (0, 2)  # read off the engine's own tokenizer
+        greedy = SamplingConfig(temperature=0.0, max_tokens=5)
+        [generation] = backend.generate([[1, 520, 9531, 198]], greedy, seeds=[0])
+    finally:
+        backend.close()
+    assert generation.token_ids == [0] and generation.finish_reason == "stop"
 
 
 # ---------------------------------------------------------------- real SmolLM2

@@ -45,11 +45,12 @@ class Generation:
     """One continuation: the sampled ids exactly as sampled, and their sampler logprobs."""
 
     token_ids: list[int]
-    """Sampled token ids, including the EOS token if one was sampled."""
+    """Sampled token ids, including the stop id (turn end or EOS, `agent_grpo.tokens.TurnEnd`)
+    if one was sampled."""
     logprobs: list[float]
     """Logprob of each sampled token under the processed sampling distribution."""
     finish_reason: Literal["stop", "length"]
-    """`stop`: EOS or a stop string; `length`: hit max_tokens."""
+    """`stop`: a stop id or a stop string; `length`: hit max_tokens."""
     text: str = ""
     """Decoded text, for display only."""
     extra: dict[str, float] = field(default_factory=dict)

@@ -50,6 +50,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from agent_grpo.rollout.backend import Generation, SamplingConfig
+from agent_grpo.tokens import turn_end_ids
 
 __all__ = [
     "BackendStats",
@@ -57,7 +58,6 @@ __all__ = [
     "PrefixCache",
     "attention_bias",
     "common_prefix_len",
-    "default_eos_ids",
     "filter_top_k_top_p",
     "inverse_cdf",
     "position_ids",
@@ -151,13 +151,6 @@ def common_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:
     n = min(a.shape[0], b.shape[0])
     differs = a[:n] != b[:n]  # [n]
     return int(differs.int().argmax()) if bool(differs.any()) else n
-
-
-def default_eos_ids(tokenizer: Any) -> list[int]:
-    """The tokenizer's EOS id plus `<|im_end|>` when the vocabulary has it (ChatML end of turn)."""
-    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
-    im_end = tokenizer.get_vocab().get("<|im_end|>")
-    return sorted(set(ids + ([] if im_end is None else [int(im_end)])))
 
 
 @dataclass
@@ -308,8 +301,9 @@ class HFBackend:
         self.model = model
         self.tokenizer = tokenizer
         self._device = None if device is None else torch.device(device)
-        eos = default_eos_ids(tokenizer) if eos_token_ids is None else eos_token_ids
-        self.eos_token_ids = frozenset(int(i) for i in eos)
+        stops = turn_end_ids(tokenizer).stop_ids if eos_token_ids is None else eos_token_ids
+        self.eos_token_ids = frozenset(int(i) for i in stops)
+        """Ids a row stops on, kept as its last id; by default the turn end and the EOS."""
         self.max_batch_size = max_batch_size
         self.prefix_cache = PrefixCache(prefix_cache_entries, prefix_cache_bytes)
         self.stats = BackendStats()

@@ -5,8 +5,10 @@ Built for a `vllm serve` endpoint; what it relies on that the OpenAI API itself 
   `return_tokens_as_token_ids` so the logprob `tokens` read `token_id:123`; the two are checked
   against each other). Text never round-trips through a tokenizer.
 - `top_k`, `repetition_penalty`, `min_p`, `skip_special_tokens`, `include_stop_str_in_output`
-  are vLLM extensions. We send the neutral sampling values explicitly because vLLM otherwise
-  fills unset ones from the model's `generation_config.json`.
+  and `stop_token_ids` (the chat template's turn end, `agent_grpo.tokens.turn_end_ids`: the
+  server alone stops on EOS only, which need not close a turn) are vLLM extensions. We send
+  the neutral sampling values explicitly because vLLM otherwise fills unset ones from the model's
+  `generation_config.json`.
 - The logprobs are those of the processed distribution only if the server runs with
   `--logprobs-mode processed_logprobs`; a client cannot check this, so it is documented.
 
@@ -23,7 +25,7 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import httpx
@@ -62,9 +64,14 @@ def api_root(base_url: str) -> str:
 
 
 def completion_request(
-    model: str, prompt: list[int], sampling: SamplingConfig, seed: int
+    model: str,
+    prompt: list[int],
+    sampling: SamplingConfig,
+    seed: int,
+    stop_token_ids: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """The JSON body of one `/v1/completions` request for a token-id prompt."""
+    """The JSON body of one `/v1/completions` request for a token-id prompt that also stops on
+    `stop_token_ids` (kept as the last id)."""
     return {
         "model": model,
         "prompt": list(prompt),
@@ -75,6 +82,7 @@ def completion_request(
         "seed": seed,
         "stop": list(sampling.stop),
         "include_stop_str_in_output": True,
+        "stop_token_ids": [int(i) for i in stop_token_ids],
         "skip_special_tokens": False,
         "n": 1,
         "stream": False,
@@ -152,11 +160,15 @@ class OpenAIBackend:
         max_concurrency: int = 8,
         api_key: str | None = None,
         backoff_s: float = 0.5,
+        stop_token_ids: Sequence[int] = (),
     ) -> None:
-        """Talk to the server at `base_url` (with or without `/v1`) that serves `model`."""
+        """Talk to the server at `base_url` (with or without `/v1`) that serves `model`; every
+        request also stops on `stop_token_ids` (pass `turn_end_ids(tokenizer).stop_ids`)."""
         if max_concurrency < 1 or max_retries < 0:
             raise ValueError("need max_concurrency >= 1 and max_retries >= 0")
         self.model = model
+        self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
+        """Ids every request stops on besides the server model's EOS."""
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self._limit = max_concurrency
@@ -199,7 +211,10 @@ class OpenAIBackend:
         if self._client is None:
             raise OpenAIBackendError("the OpenAI backend is closed")
         pairs = zip(prompts, seeds, strict=True)
-        bodies = [completion_request(self.model, prompt, sampling, seed) for prompt, seed in pairs]
+        bodies = [
+            completion_request(self.model, prompt, sampling, seed, self.stop_token_ids)
+            for prompt, seed in pairs
+        ]
         return self._run(self._complete_all(bodies))
 
     async def _complete_all(self, bodies: list[dict[str, Any]]) -> list[Generation]:

@@ -9,6 +9,9 @@ Where we depart from the usual way of running vLLM for RL:
   Under greedy sampling (temperature 0) vLLM returns the logprob under the unscaled logits.
 - Stop strings are matched on text that keeps special tokens and are kept in the output, so the
   returned ids end exactly where sampling stopped (the last id may run past the stop string).
+- Besides the model's EOS, every request stops on the chat template's turn end
+  (`agent_grpo.tokens.turn_end_ids`, as `stop_token_ids`): vLLM alone stops on EOS only, which
+  need not close a turn.
 - Every prompt gets its own `SamplingParams` with its own seed, so a trajectory's random draws do
   not depend on which other prompts share its batch.
 - On CPU, vLLM's worker replaces `torch.set_num_threads` with a no-op (in-process, that also blocks
@@ -22,14 +25,17 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
 from agent_grpo.rollout.backend import Generation, SamplingConfig
+from agent_grpo.tokens import turn_end_ids
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
     from vllm import LLM, SamplingParams
     from vllm.outputs import CompletionOutput
 
@@ -51,8 +57,11 @@ class VLLMBackendError(RuntimeError):
     """The vLLM engine could not be set up or returned something we cannot use."""
 
 
-def to_sampling_params(sampling: SamplingConfig, seed: int) -> SamplingParams:
-    """vLLM sampling parameters for one prompt: our config, this prompt's seed, sampled logprob."""
+def to_sampling_params(
+    sampling: SamplingConfig, seed: int, stop_token_ids: Sequence[int] = ()
+) -> SamplingParams:
+    """vLLM sampling parameters for one prompt: our config, this prompt's seed, sampled logprob,
+    and the ids it stops on besides EOS (kept as the last id)."""
     from vllm import SamplingParams
 
     return SamplingParams(
@@ -62,6 +71,7 @@ def to_sampling_params(sampling: SamplingConfig, seed: int) -> SamplingParams:
         max_tokens=sampling.max_tokens,
         stop=list(sampling.stop) or None,
         include_stop_str_in_output=True,
+        stop_token_ids=list(stop_token_ids),
         skip_special_tokens=False,
         seed=seed,
         logprobs=0,  # only the sampled token's logprob, not a top-k list
@@ -133,12 +143,14 @@ class VLLMBackend:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         cpu_threads: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
         **engine_kwargs: Any,
     ) -> None:
         """Start the engine; `engine_kwargs` go to `vllm.LLM` (e.g. `kv_cache_memory_bytes`).
 
         `cpu_threads` sets torch's intra-op threads before the engine starts: vLLM's CPU worker
         then freezes `torch.set_num_threads` for the whole process until `close`.
+        `stop_token_ids` default to `turn_end_ids` of the engine's tokenizer.
         """
         mode = engine_kwargs.pop("logprobs_mode", _LOGPROBS_MODE)
         if mode != _LOGPROBS_MODE:
@@ -164,6 +176,12 @@ class VLLMBackend:
         )
         # Seconds to load weights, allocate the KV cache and warm up; reported in docs/backends.md.
         self.start_time_s = time.perf_counter() - start
+        if stop_token_ids is None:
+            # A Hugging Face model's engine tokenizer is its (cached) transformers tokenizer.
+            engine_tokenizer = cast("PreTrainedTokenizerBase", self._llm.get_tokenizer())
+            stop_token_ids = turn_end_ids(engine_tokenizer).stop_ids
+        self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
+        """Ids every request stops on (kept as its last id), besides the model's EOS."""
 
     @property
     def llm(self) -> LLM:
@@ -183,7 +201,7 @@ class VLLMBackend:
         if not prompts:
             return []
         requests = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts]
-        params = [to_sampling_params(sampling, seed) for seed in seeds]
+        params = [to_sampling_params(sampling, seed, self.stop_token_ids) for seed in seeds]
         start = time.perf_counter()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         batch_s = time.perf_counter() - start
