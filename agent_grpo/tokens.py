@@ -126,12 +126,20 @@ def encode_plain(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 def _render(
     tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], generation_prompt: bool
 ) -> str:
-    text = tokenizer.apply_chat_template(
-        [m.to_template() for m in messages],
-        tokenize=False,
-        add_generation_prompt=generation_prompt,
-    )
-    assert isinstance(text, str)
+    try:
+        text = tokenizer.apply_chat_template(
+            [m.to_template() for m in messages],
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+        )
+    except Exception as error:  # jinja raises anything from TemplateError to TypeError
+        name = getattr(tokenizer, "name_or_path", "?")
+        raise ChatTemplateError(
+            f"the chat template of {name!r} fails to render {len(messages)} messages "
+            f"({', '.join(m.role for m in messages)}): {type(error).__name__}: {error}"
+        ) from error
+    if not isinstance(text, str):
+        raise ChatTemplateError(f"the chat template rendered {type(text).__name__}, not text")
     return text
 
 

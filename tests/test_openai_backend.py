@@ -352,11 +352,12 @@ def test_served_greedy_tokens_and_logprobs_equal_hf(served) -> None:
 @pytest.mark.parametrize("name", ["Calculator-v0", "PythonSandbox-v0", "Search-v0", "WebApi-v0"])
 def test_served_trajectories_pass_the_invariants(served, tokenizer, name) -> None:
     from agent_grpo.invariants import check_invariants
-    from agent_grpo.rollout.collector import CollectorConfig, Task, collect_groups
+    from agent_grpo.rollout.collector import Task, collect_groups
+    from agent_grpo.rollout.config import RolloutConfig
 
     _, url = served
     sampling = SamplingConfig(temperature=1.0, max_tokens=24, stop=["</tool_call>"])
-    config = CollectorConfig(group_size=2, sampling=sampling, progress=False)
+    config = RolloutConfig(group_size=2, sampling=sampling, progress=False)
     with backend(url, model="tiny") as client:
         tasks = [Task(env_id=f"agent_grpo/{name}", seed=3)]
         records = collect_groups(tasks, client, tokenizer, config).records

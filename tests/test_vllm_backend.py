@@ -284,11 +284,12 @@ BUILTIN_ENVS = ["Calculator-v0", "PythonSandbox-v0", "Search-v0", "WebApi-v0"]
 @pytest.mark.parametrize("name", BUILTIN_ENVS)
 def test_collected_trajectories_pass_the_invariants(tiny, tokenizer, name) -> None:
     from agent_grpo.invariants import check_invariants
-    from agent_grpo.rollout.collector import CollectorConfig, Task, collect_groups
+    from agent_grpo.rollout.collector import Task, collect_groups
+    from agent_grpo.rollout.config import RolloutConfig
 
     _, backend = tiny
     sampling = SamplingConfig(temperature=1.0, max_tokens=24, stop=["</tool_call>"])
-    config = CollectorConfig(group_size=2, sampling=sampling, progress=False)
+    config = RolloutConfig(group_size=2, sampling=sampling, progress=False)
     records = collect_groups(
         [Task(env_id=f"agent_grpo/{name}", seed=3)], backend, tokenizer, config
     ).records

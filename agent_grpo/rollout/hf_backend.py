@@ -39,6 +39,7 @@ Departures from common practice, on purpose:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -294,6 +295,7 @@ class HFBackend:
         max_batch_size: int = 64,
         prefix_cache_entries: int = 256,
         prefix_cache_bytes: int = 1 << 30,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         layer_types = getattr(getattr(model, "config", None), "layer_types", None) or []
         if any(kind != "full_attention" for kind in layer_types):
@@ -307,6 +309,9 @@ class HFBackend:
         self.max_batch_size = max_batch_size
         self.prefix_cache = PrefixCache(prefix_cache_entries, prefix_cache_bytes)
         self.stats = BackendStats()
+        self.compute_dtype = compute_dtype
+        """bf16: sample under bf16 autocast from fp32 weights (the trainer's master weights, as
+        `model.dtype: bfloat16` keeps them); None: the weights' own dtype."""
 
     @property
     def device(self) -> torch.device:
@@ -412,15 +417,21 @@ class HFBackend:
 
     def _forward(self, ids: torch.Tensor, valid: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         """Run the last `ids.shape[1]` slots of `valid` through the model; last logits `[B, V]`."""
-        dtype = next(self.model.parameters()).dtype
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attention_bias(valid, ids.shape[1], dtype),
-            position_ids=position_ids(valid, ids.shape[1]),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
+        dtype = self.compute_dtype or next(self.model.parameters()).dtype
+        autocast = (
+            torch.autocast(ids.device.type, dtype=dtype)
+            if self.compute_dtype not in (None, torch.float32)
+            else contextlib.nullcontext()
         )
+        with autocast:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=attention_bias(valid, ids.shape[1], dtype),
+                position_ids=position_ids(valid, ids.shape[1]),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         return out.logits[:, -1].float()
 
     def _step(self, rows: list[_Row], batch: _Batch, sampling: SamplingConfig) -> None:
