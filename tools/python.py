@@ -1,4 +1,4 @@
-"""The `python` tool: run model-written code in the process sandbox and report what it printed.
+"""The `python` tool: run model-written code in the bubblewrap sandbox and report what it printed.
 
 The sandbox keeps at most `PYTHON_LIMITS.max_output_bytes` of stdout and of stderr, so the text
 this tool returns always fits under its `max_output_chars`: a chatty program gets its output cut
@@ -46,6 +46,8 @@ def format_sandbox_result(result: SandboxResult, limits: SandboxLimits) -> str:
         parts.append(f"[output cut at {limits.max_output_bytes} bytes per stream; program killed]")
     if result.timed_out:
         parts.append(f"[timed out after {limits.wall_time_s:g} s; program killed]")
+    elif result.memory_limit_hit:
+        parts.append(f"[memory limit of {limits.memory_mb} MiB reached; a process was killed]")
     elif result.killed_by == "SIGXCPU":
         parts.append(f"[CPU time limit of {limits.cpu_time_s} s reached; program killed]")
     elif result.killed_by and not result.output_truncated:
