@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 from pydantic import BaseModel
 
 from agent_grpo.evaluate import EvalResult
+from agent_grpo.faults import crash_point
 from agent_grpo.train.parallel import (
     broadcast_object,
     full_optimizer_state,
@@ -22,7 +24,15 @@ if TYPE_CHECKING:
     from agent_grpo.store import RunDir
     from agent_grpo.train.trainer import Trainer
 
-__all__ = ["TrainerState", "load_checkpoint", "restore", "save", "save_checkpoint"]
+__all__ = [
+    "TrainerState",
+    "load_checkpoint",
+    "prune_checkpoints",
+    "read_state",
+    "restore",
+    "save",
+    "save_checkpoint",
+]
 
 
 class TrainerState(BaseModel):
@@ -50,19 +60,60 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
+def _fsync_tree(root: Path) -> None:
+    """fsync every file below `root`, then each directory: the bytes are on disk before the
+    rename that publishes them (a power cut must not leave a whole-looking empty checkpoint)."""
+    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(
     path: Path, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer, state: TrainerState
 ) -> Path:
-    """Write a checkpoint directory atomically (a temp dir renamed into place)."""
+    """Write a checkpoint directory atomically: into `NAME.tmp`, fsynced, then renamed to
+    `NAME`. `RunDir.latest_checkpoint` only counts names without a suffix, so a save that
+    crashes half way is never taken for the latest; the next save starts its temp dir over."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp / "model")
     tokenizer.save_pretrained(tmp / "model")
     torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / "trainer.pt")
+    crash_point("checkpoint", state.step)  # crash tests: weights written, state not yet
     (tmp / "state.json").write_text(state.model_dump_json(indent=1))
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+    _fsync_tree(tmp)
+    if path.exists():  # the same step saved again: keep the old one until the new is in place
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(path)
     return path
+
+
+def prune_checkpoints(folder: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoint directories under `folder` (and temp dirs
+    older than the newest); returns what was deleted."""
+    whole = sorted(p for p in folder.iterdir() if p.is_dir() and "." not in p.name)
+    doomed = whole[:-keep] + [p for p in folder.iterdir() if p.is_dir() and "." in p.name]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def read_state(path: Path) -> TrainerState:
+    """The `TrainerState` of checkpoint `path` (no tensors loaded)."""
+    return TrainerState.model_validate_json((path / "state.json").read_text())
 
 
 def load_checkpoint(path: Path, optimizer: torch.optim.Optimizer) -> TrainerState:
@@ -89,10 +140,11 @@ class FullOptimizerState:
         self.state = state
 
 
-def save(run: RunDir | None, trainer: Trainer, state: TrainerState) -> None:
+def save(run: RunDir | None, trainer: Trainer, state: TrainerState, keep: int = 2) -> None:
     """Rank 0 writes a checkpoint; under torchrun every rank first helps gather the optimizer.
 
     The layout is the one-process one, so either kind of run resumes the other's checkpoints.
+    Only the newest `keep` checkpoints stay.
     """
     optimizer = trainer.optimizer
     if trainer.ctx.distributed:
@@ -101,6 +153,7 @@ def save(run: RunDir | None, trainer: Trainer, state: TrainerState) -> None:
     if run is not None and trainer.sampler is not None:
         path = run.checkpoint_dir(state.step)
         save_checkpoint(path, trainer.sampler, trainer.tokenizer, optimizer, state)
+        prune_checkpoints(path.parent, keep)
 
 
 def restore(checkpoint: Path, trainer: Trainer) -> TrainerState:

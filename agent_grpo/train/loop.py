@@ -38,6 +38,7 @@ import torch.distributed as dist
 from agent_grpo.algo.grpo import group_advantages
 from agent_grpo.config import ConfigError, dump_config
 from agent_grpo.evaluate import env_stop_strings
+from agent_grpo.faults import crash_point
 from agent_grpo.logs import get_logger
 from agent_grpo.models import load_model, load_tokenizer
 from agent_grpo.registry import make_env
@@ -45,7 +46,7 @@ from agent_grpo.rollout.factory import build_backend
 from agent_grpo.rollout.summary import summarize_trajectories
 from agent_grpo.store import RunDir
 from agent_grpo.train.batch import PackedBatch, pack_records
-from agent_grpo.train.checkpoint import TrainerState, restore, save
+from agent_grpo.train.checkpoint import TrainerState, read_state, restore, save
 from agent_grpo.train.config import AlgoConfig, TrainConfig
 from agent_grpo.train.evaluation import print_summary, run_eval
 from agent_grpo.train.metrics import (
@@ -190,6 +191,15 @@ def _annotate(
             record.ref_logprobs = row(ref, b, n)
 
 
+def checkpoint_due(config: TrainConfig, done: int, saved_at: float) -> bool:
+    """Whether to checkpoint after `done` steps: at the end, every `checkpoint_every` steps, and
+    once `checkpoint_every_s` seconds have passed since the last save (rank 0's clock decides)."""
+    every, every_s = config.run.checkpoint_every, config.run.checkpoint_every_s
+    by_steps = every > 0 and done % every == 0
+    by_time = every_s > 0 and time.monotonic() - saved_at >= every_s
+    return done == config.steps or by_steps or by_time
+
+
 def open_run(config: TrainConfig, resume: bool) -> RunDir:
     """The run directory: the existing one when resuming, else a new one with the config."""
     if resume:
@@ -214,6 +224,8 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
     max_tokens = resolve_max_tokens(config)
     run = open_run(config, resume) if ctx.is_main else None
     checkpoint = broadcast_object(run.latest_checkpoint() if run and resume else None, ctx)
+    if run is not None and resume:  # exactly once: what ran after the checkpoint runs again
+        run.rollback_to(0 if checkpoint is None else read_state(checkpoint).step)
     model_path = model_source(config, checkpoint, ctx)
     tokenizer = load_tokenizer(model_path)
     dtype = compute_dtype(config)
@@ -233,7 +245,7 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
             log.info("warm start: %d steps, nll %.3f -> %.3f", len(losses), losses[0], losses[-1])
             backend.update_weights(policy)
             state.eval_warm_start = run_eval(config, backend, tokenizer, stop, "warm start")
-    reference = make_reference(run, policy, config, resume)
+    reference = make_reference(run, policy, config, resume and checkpoint is not None)
     policy, reference = share_models(policy, reference, config, ctx)
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=config.algo.lr, weight_decay=config.algo.weight_decay
@@ -242,18 +254,23 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
         policy=policy, reference=reference, optimizer=optimizer, tokenizer=tokenizer, stop=stop,
         backend=backend, sampler=sampler, ctx=ctx, mode=config.distributed.mode,
     )  # fmt: skip
+    keep = config.run.keep_checkpoints
     if checkpoint is not None:
         state = restore(checkpoint, trainer)
         log.info("resumed from %s at step %d", checkpoint, state.step)
+    else:  # base eval and warm start are done: a resume never repeats them
+        save(run, trainer, state, keep)
     tensorboard = open_tensorboard(run, config) if run is not None else None
+    saved_at = time.monotonic()
     for step in range(state.step, config.steps):
         metrics, records = train_step(config, trainer, step, max_tokens)
         if run is not None:
             record_step(run, config, metrics, records, tensorboard)
+        crash_point("after_step", step)  # crash tests: recorded, not checkpointed
         state.step = step + 1
-        every = config.run.checkpoint_every
-        if state.step == config.steps or (every and state.step % every == 0):
-            save(run, trainer, state)
+        if broadcast_object(checkpoint_due(config, state.step, saved_at), ctx):
+            save(run, trainer, state, keep)
+            saved_at = time.monotonic()
     if run is not None and backend is not None:
         after = run_eval(config, backend, tokenizer, stop, "final")
         if after is not None:
