@@ -1,7 +1,8 @@
 """torchrun target of `tests/test_distributed.py`: sharded GRPO steps on a saved case.
 
 Usage: `torchrun --nproc_per_node 2 tests/dist_worker.py CASE.pt MODEL_DIR OUT_DIR MODE...`
-where MODE is `ddp`, `fsdp` (the real `update.minibatch_update`), `fsdp_one_row` (the same on
+where MODE is `ddp`, `fsdp` (the real `update.minibatch_update`), `ddp_dead` / `fsdp_dead` (a
+step where no rank has a trainable row), `fsdp_one_row` (the same on
 the first row alone, so rank 1 has no rows) or `naive` (DDP with the per-rank token mean, the
 mistake the test shows). Each mode starts from the saved model, takes `steps` optimizer steps over
 the case's global batch, and rank 0 writes `OUT_DIR/MODE.pt` with the full parameters, the metrics
@@ -141,9 +142,19 @@ def first_row(case: dict[str, Any]) -> dict[str, Any]:
     return {**case, **tensors, "batch": case["batch"].select([0])}
 
 
+def dead(case: dict[str, Any]) -> dict[str, Any]:
+    """The case with every advantage 0 and beta 0: no rank has a trainable row."""
+    batch = case["batch"]
+    zero = PackedBatch(batch.input_ids, batch.attention_mask, batch.loss_mask,
+                       batch.sampler_logprobs, batch.advantages * 0, batch.group_index)  # fmt: skip
+    algo = case["algo"].model_copy(update={"beta": 0.0})
+    return {**case, "batch": zero, "old": None, "ref": None, "algo": algo}
+
+
 def run_mode(case: dict[str, Any], model_dir: str, mode: str, ctx: DistContext) -> dict[str, Any]:
     """`case["steps"]` steps from the saved model in one mode; the full parameters at the end."""
     case = first_row(case) if mode == "fsdp_one_row" else case
+    case = dead(case) if mode.endswith("_dead") else case
     policy = wrap_policy(load_model(model_dir), "fsdp" if "fsdp" in mode else "ddp", ctx)
     sharded = all(isinstance(p, DTensor) for p in policy.parameters())
     optimizer = torch.optim.SGD(policy.parameters(), lr=case["lr"])

@@ -51,7 +51,9 @@ def snapshot(run: Path) -> dict[str, object]:
     rows = [deterministic(json.loads(x)) for x in (run / "metrics.jsonl").read_text().splitlines()]
     store = RunDir.open(run)
     records = {
-        step: [(r.uid, r.token_ids, r.reward, r.old_logprobs) for r in store.read_trajectories(step)]
+        step: [
+            (r.uid, r.token_ids, r.reward, r.old_logprobs) for r in store.read_trajectories(step)
+        ]
         for step in store.steps()
     }
     index = [(e.step, e.uid) for e in store.index()]

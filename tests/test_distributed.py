@@ -257,7 +257,8 @@ def run_worker(case: dict[str, Any], model_dir: Path, tmp: Path, modes: list[str
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
 
-MODES = ["ddp", "fsdp", "fsdp_one_row", "naive", "score_ddp", "score_fsdp"]
+MODES = ["ddp", "fsdp", "fsdp_one_row", "ddp_dead", "fsdp_dead", "naive", "score_ddp",
+         "score_fsdp"]  # fmt: skip
 
 
 def rank_tokens(batch: PackedBatch) -> list[float]:
@@ -331,3 +332,18 @@ def test_per_rank_token_mean_takes_a_different_step(two_process_results, expecte
     got = two_process_results["naive"]
     assert got["rank_tokens"] == rank_tokens(make_case(tiny_model_dir)["batch"])
     assert max_param_diff(got["params"], expected["params"]) > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp_dead", "fsdp_dead"])
+def test_a_step_without_any_trainable_row_keeps_the_weights(
+    two_process_results, tiny_model_dir, mode
+):
+    """Every group dead and beta 0: no rank runs a micro-batch, the metrics are the complete
+    set of zeros, and the weights stay the base model's (SGD of a zero gradient)."""
+    got = two_process_results[mode]
+    for step in got["history"]:
+        assert step["trained_tokens"] == 0 and step["loss"] == 0 and step["grad_norm"] == 0
+        assert step["ratio_min"] == step["ratio_max"] == 1.0
+        assert torch.isnan(step["seen"]).all()
+    assert max_param_diff(got["params"], load_model(tiny_model_dir).state_dict()) == 0

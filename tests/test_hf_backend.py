@@ -4,7 +4,6 @@ on the tiny model against plain full forward passes, and one slow check on the r
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -333,28 +332,16 @@ def test_bad_inputs_and_the_callers_training_mode(model_and_prompts):
 # --- the real model ------------------------------------------------------------------------------
 
 
-def tokens_per_second(backend: HFBackend, prompt: list[int], batch: int, new: int) -> float:
-    sampling = SamplingConfig(temperature=1.0, max_tokens=new)
-    started = time.perf_counter()
-    gens = backend.generate([prompt] * batch, sampling, list(range(batch)))
-    elapsed = time.perf_counter() - started
-    assert all(len(g.token_ids) == new for g in gens)
-    return batch * new / elapsed
-
-
 @pytest.mark.slow
-def test_smollm2_greedy_answer_and_speed(embedded_model_dir, tokenizer):
+def test_smollm2_greedy_answer(embedded_model_dir, tokenizer):
+    """The real model answers through the backend. Its speed is a benchmark
+    (bench/rollout_throughput.py), never a timed assertion here."""
     model = load_model(DEFAULT_MODEL)
     prompt = chat_ids(tokenizer, "What is the capital of France?")
     answer = HFBackend(model, tokenizer).generate(
         [prompt], GREEDY.model_copy(update={"max_tokens": 24}), [0]
     )[0]
     assert "Paris" in answer.text, answer.text
-    bench = HFBackend(model, tokenizer, eos_token_ids=[], prefix_cache_entries=0)
-    rate_1 = tokens_per_second(bench, prompt, batch=1, new=32)
-    rate_16 = tokens_per_second(bench, prompt, batch=16, new=32)
-    print(f"\nSmolLM2-135M hf backend: batch 1 {rate_1:.1f} tok/s, batch 16 {rate_16:.1f} tok/s")
-    assert rate_1 > 2.0 and rate_16 > rate_1
 
 
 def test_a_batch_shares_one_prefill_of_its_common_prompt(model_and_prompts):
