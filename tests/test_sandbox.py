@@ -329,14 +329,15 @@ def test_files_in_run_lock_and_tmp_ray_do_not_reach_the_host() -> None:
     assert not Path(f"/run/lock/{name}").exists() and not Path(f"/tmp/ray/{name}").exists()
 
 
-SIX_CHILDREN = """
+CHILDREN = """
 import os, select, time
+count, size = map(int, input().split())
 r, w = os.pipe()
 children = []
-for _ in range(6):
+for _ in range(count):
     pid = os.fork()
     if pid == 0:
-        block = bytearray(400 << 20)
+        block = bytearray(size << 20)
         for at in range(0, len(block), 4096):
             block[at] = 1
         os.write(w, b"x")
@@ -350,9 +351,9 @@ while len(children) > 0 and time.monotonic() < deadline:
     if select.select([r], [], [], 0.05)[0]:
         ready += len(os.read(r, 8))
     children = [p for p in children if os.waitpid(p, os.WNOHANG)[0] == 0]
-    if ready + (6 - len(children)) == 6:
+    if ready + (count - len(children)) == count:
         break
-print(ready, 'holding 400 MB;', 6 - len(children), 'killed')
+print(ready, f'holding {size} MB;', count - len(children), 'killed')
 """
 
 
@@ -360,7 +361,7 @@ print(ready, 'holding 400 MB;', 6 - len(children), 'killed')
 @needs_cgroup
 def test_memory_cap_covers_the_whole_tree() -> None:
     """Row 4: 6 children each touching 400 MB; the cap is for all of them together."""
-    result = run_contained(SIX_CHILDREN, SandboxLimits(wall_time_s=15))
+    result = run_contained(CHILDREN, SandboxLimits(wall_time_s=15), stdin="6 400\n")
     cap = (512 + 64) << 20  # memory_mb + disk_mb: files in the tmpfs are RAM too
     assert result.memory_limit_hit and result.stdout == "1 holding 400 MB; 5 killed\n"
     assert result.peak_memory_bytes is not None and result.peak_memory_bytes <= cap
@@ -503,6 +504,35 @@ def test_repo_home_and_host_mount_table_are_not_visible() -> None:
     top = set(eval(lines[7]))  # top-level dirs of every mount point the sandbox has
     assert top <= {"", "usr", "lib", "lib64", "lib32", "proc", "dev", "tmp", "bin", "root"}
     assert set(eval(lines[8])) <= top | {"bin", "lib", "lib64", "lib32"}
+
+
+@needs_bwrap
+@needs_root
+def test_without_a_cgroup_memory_is_capped_per_process_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not isolated where no cgroup can be made: each process gets `memory_mb`, not the tree."""
+    monkeypatch.setattr(sandbox, "find_layout", lambda: None)
+    monkeypatch.setattr(sandbox, "_said", set())
+    limits = SandboxLimits(wall_time_s=15, memory_mb=200)
+    result = run_sandboxed(CHILDREN, limits=limits, stdin="3 150\n")
+    assert result.cgroup is None and result.peak_memory_bytes is None
+    assert result.stdout == "3 holding 150 MB; 0 killed\n"  # 450 MB for a 200 MB limit
+
+
+@needs_bwrap
+def test_what_the_sandbox_still_sees_kernel_info_and_system_libraries() -> None:
+    """Not isolated: system-wide /proc files, read-only /proc/sys, the shared-library dirs."""
+    code = (
+        "import os\n"
+        "print(open('/proc/version').read().split()[2] == input())\n"
+        "print('MemTotal' in open('/proc/meminfo').read())\n"
+        "print(open('/proc/sys/kernel/pid_max').read().strip().isdigit())\n"
+        "print(len(os.listdir('/usr/lib')) > 0)\n"
+        "print(open('/proc/sys/kernel/hostname').read().strip())\n"
+    )
+    result = run_contained(code, stdin=f"{os.uname().release}\n")
+    assert result.stdout == "True\nTrue\nTrue\nTrue\nsandbox\n"
 
 
 # --- the rest of the battery -----------------------------------------------------------------
