@@ -1,26 +1,37 @@
-"""Tool-call cost: latency of the sandboxed `python` tool and of `run_sandboxed`, calls/s under
-concurrency, and the in-process calculator tool for contrast.
+"""Tool-call cost: latency of the sandboxed `python` tool and of `run_sandboxed` (today's, and the
+one before issue #14, side by side), calls/s under concurrency, and the in-process calculator tool
+for contrast.
 
     .venv/bin/python bench/tool_runtime.py [--quick] [--calls 100] [--concurrency 1 2 4 8]
 
 Methods:
 - `python tool`: `run_tool_call(python, {"code": ...})`, what an environment step pays: argument
   validation, a worker thread with the tool's timeout, the sandbox, result formatting.
-- `run_sandboxed`: the sandbox alone (fresh process tree, namespaces, rlimits, temp dir).
+- `run_sandboxed`: the bubblewrap sandbox alone, running `print(1)` (namespaces, a cgroup, rlimits).
+- `run_sandboxed before #14`: the hand-written namespace sandbox it replaced, running `print(1)`,
+  loaded from git history (`OLD_SANDBOX_COMMIT`, its last version) rather than kept in the tree:
+  it is unsafe (issue #14) and nothing else may call it. Skipped where git or the history is
+  missing (a source tarball).
 - `calculator tool`: `run_tool_call(calculator, ...)`: the same tool layer, but in-process.
 - `calculator direct`: the decorated function called as a plain function (no thread, no timeout).
 Latency is measured one call at a time (p50, p99 and max over `--calls`; with 100 calls p99 is
-the second slowest). Throughput is `--burst` calls submitted at once to a pool of N threads,
-divided by the wall time until the last finishes. Every call's output is checked.
+the second slowest). The sandboxed methods take turns call by call, so a change in the machine's
+load during the run hits them alike. Throughput is `--burst` calls submitted at once to a pool of
+N threads, divided by the wall time until the last finishes. Every call's output is checked.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from record import add_common_flags, bench_run, print_table, set_threads
@@ -28,6 +39,9 @@ from record import add_common_flags, bench_run, print_table, set_threads
 CODE = "import json\nprint(json.dumps({'sum': sum(range(1000))}))\n"
 EXPECTED = '{"sum": 499500}'
 EXPRESSION = "((347 * 29) - 1181) / 7"
+OLD_SANDBOX_COMMIT = "3e5ab887990931cdb6efab6c71f245cef51e84fa"
+"""The last commit holding the sandbox issue #14 replaced (tools/sandbox.py, _sandbox_init.py)."""
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,7 +58,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def methods() -> dict[str, Callable[[], bool]]:
+def old_sandbox(directory: Path) -> ModuleType | None:
+    """The pre-#14 sandbox module, written out of git history into `directory` (None: no git)."""
+    for name in ("sandbox.py", "_sandbox_init.py"):
+        source = f"{OLD_SANDBOX_COMMIT}:tools/{name}"
+        shown = subprocess.run(["git", "-C", str(ROOT), "show", source], capture_output=True)
+        if shown.returncode != 0:
+            return None
+        (directory / name).write_bytes(shown.stdout)
+    spec = importlib.util.spec_from_file_location("old_sandbox", directory / "sandbox.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def methods(old: ModuleType | None) -> dict[str, Callable[[], bool]]:
     """Each method as a zero-argument call that returns whether its output was right."""
     from agent_grpo.tool import run_tool_call
     from agent_grpo.tools.calculator import calculator
@@ -58,8 +87,13 @@ def methods() -> dict[str, Callable[[], bool]]:
         return record.error is None and EXPECTED in str(record.result)
 
     def sandbox() -> bool:
-        result = run_sandboxed(CODE)
-        return result.exit_code == 0 and result.stdout.strip() == EXPECTED
+        result = run_sandboxed("print(1)")
+        return result.exit_code == 0 and result.stdout == "1\n"
+
+    def sandbox_before() -> bool:
+        assert old is not None
+        result = old.run_sandboxed("print(1)")
+        return bool(result.exit_code == 0 and result.stdout == "1\n")
 
     def calculator_tool() -> bool:
         record = run_tool_call(calculator, {"expression": EXPRESSION})
@@ -71,6 +105,7 @@ def methods() -> dict[str, Callable[[], bool]]:
     return {
         "python tool": python_tool,
         "run_sandboxed": sandbox,
+        **({"run_sandboxed before #14": sandbox_before} if old else {}),
         "calculator tool": calculator_tool,
         "calculator direct": calculator_direct,
     }
@@ -85,13 +120,26 @@ def percentile(values: list[float], q: float) -> float:
 
 def latency(call: Callable[[], bool], n: int) -> dict[str, Any]:
     """p50/p99/max/mean latency (ms) of `n` sequential calls, and how many were wrong."""
-    call()  # warm-up: imports, first process start
-    seconds, wrong = [], 0
+    return interleaved_latency({"call": call}, n)["call"]
+
+
+def interleaved_latency(calls: dict[str, Callable[[], bool]], n: int) -> dict[str, dict[str, Any]]:
+    """`latency` of each call, measured in turns: call 1 of each, then call 2 of each, ..."""
+    for call in calls.values():
+        call()  # warm-up: imports, first process start
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    wrong = dict.fromkeys(calls, 0)
     for _ in range(n):
-        started = time.perf_counter()
-        wrong += not call()
-        seconds.append(time.perf_counter() - started)
+        for name, call in calls.items():
+            started = time.perf_counter()
+            wrong[name] += not call()
+            seconds[name].append(time.perf_counter() - started)
+    return {name: _summary(seconds[name], wrong[name]) for name in calls}
+
+
+def _summary(seconds: list[float], wrong: int) -> dict[str, Any]:
     ms = [1000 * s for s in seconds]
+    n = len(ms)
     return {
         "calls": n,
         "p50_ms": percentile(ms, 50),
@@ -116,14 +164,18 @@ def main(argv: list[str] | None = None) -> None:
     """Latency, then throughput per concurrency level, per method."""
     args = parse_args(argv)
     set_threads(args.threads)
-    with bench_run("tool_runtime", args) as run:
+    with bench_run("tool_runtime", args) as run, tempfile.TemporaryDirectory() as old_dir:
+        old = old_sandbox(Path(old_dir))
+        run.results["old_sandbox_commit"] = OLD_SANDBOX_COMMIT if old else None
+        calls = methods(old)
+        sandboxed = {k: v for k, v in calls.items() if not k.startswith("calculator")}
+        latencies = interleaved_latency(sandboxed, args.calls)
         results: dict[str, Any] = {}
-        for name, call in methods().items():
-            in_process = name.startswith("calculator")
-            n = args.calculator_calls if in_process else args.calls
+        for name, call in calls.items():
+            in_process = name not in sandboxed
             burst = args.calculator_calls if in_process else args.burst
             results[name] = {
-                "latency": latency(call, n),
+                "latency": latency(call, args.calculator_calls) if in_process else latencies[name],
                 "throughput": [throughput(call, t, burst) for t in args.concurrency],
             }
         run.results["methods"] = results
