@@ -187,10 +187,42 @@ def test_a_hanging_or_failing_env_errors_only_its_own_trajectory(tokenizer) -> N
     records = collect_groups(tasks, backend, tokenizer, config).records
     assert time.perf_counter() - started < 2.5
     kinds = [(r.termination.kind, r.termination.reason) for r in records]
-    assert kinds[:2] == [("error", "env step timeout (0.5s)")] * 2
-    assert kinds[2:4] == [("error", "RuntimeError: environment exploded")] * 2
+    assert kinds[:2] == [("error", "env step timeout (0.5s) (retried once)")] * 2
+    assert kinds[2:4] == [("error", "RuntimeError: environment exploded (retried once)")] * 2
     assert kinds[4:] == [("terminated", "final_answer")] * 2
     assert [r.success for r in records[4:]] == [True, True]
+
+
+class FlakyEnv(SlowEnv):
+    """With `flaky=True`, the first instance to take a second step raises there, once."""
+
+    failures = 0
+
+    def __init__(self, flaky: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.flaky = flaky
+        self.steps = 0
+
+    def step(self, action: str) -> Any:
+        self.steps += 1
+        if self.flaky and self.steps == 2 and FlakyEnv.failures == 0:
+            FlakyEnv.failures += 1
+            raise ConnectionError("tool server went away")
+        return super().step(action)
+
+
+def test_a_failed_env_step_is_retried_once_on_a_fresh_env(tokenizer) -> None:
+    FlakyEnv.failures = 0
+    backend = ScriptedBackend(tokenizer, [SLOW_CALL.replace("5", "0"), "Answer: done"])
+    tasks = [Task(env_id="test_collector:FlakyEnv", seed=0, env_kwargs={"flaky": True})]
+    config = RolloutConfig(group_size=2, progress=False)
+    result = collect_groups(tasks, backend, tokenizer, config)
+    # the member whose env raised in its second step finished like its group-mate, on a fresh
+    # env replayed through its first action
+    assert [r.termination.kind for r in result.records] == ["terminated", "terminated"]
+    assert [r.success for r in result.records] == [True, True]
+    assert result.records[0].messages == result.records[1].messages
+    assert (result.metrics.env_retries, result.metrics.env_failures) == (1, 0)
 
 
 def test_hf_backend_same_seeds_same_trajectories(tokenizer, tiny_model) -> None:

@@ -93,6 +93,10 @@ class RolloutMetrics(BaseModel):
     """Trajectories ended by a limit."""
     errors: int = 0
     """Trajectories ended by an environment or engine failure."""
+    env_retries: int = 0
+    """Env steps that raised or hung and were retried once on a fresh env instance."""
+    env_failures: int = 0
+    """Env steps that failed again on the retry (their episodes end as errors)."""
     reused_prefix_tokens: int = 0
     """Context tokens the backend served from its prefix cache instead of prefilling."""
 
@@ -243,20 +247,48 @@ def _in_daemon_thread(fn: Callable[[], Any]) -> cf.Future[Any]:
     return future
 
 
-def _step_all(stepping: list[_Episode], timeout_s: float) -> None:
-    """Step every episode concurrently; each gets `timeout_s` from the start of the turn."""
-    futures = {_in_daemon_thread(functools.partial(_step_env, ep)): ep for ep in stepping}
-    deadline = time.perf_counter() + timeout_s
-    for future, ep in futures.items():
-        try:
-            result = future.result(timeout=max(0.0, deadline - time.perf_counter()))
-        except cf.TimeoutError:
-            # A hung step cannot be killed from here; its thread is abandoned and the env is
-            # never used again. Tools that must be killable run in the sandbox.
-            ep.termination = Termination(kind="error", reason=f"env step timeout ({timeout_s}s)")
-            continue
-        except Exception as error:  # the env's bug must not take the batch down
-            ep.termination = Termination(kind="error", reason=f"{type(error).__name__}: {error}")
+def _step_or_error(future: cf.Future[Any], deadline: float, timeout_s: float) -> Any:
+    """The step's result, or the `Termination` it failed with (timeout or exception)."""
+    try:
+        return future.result(timeout=max(0.0, deadline - time.perf_counter()))
+    except cf.TimeoutError:
+        # A hung step cannot be killed from here; its thread is abandoned and the env is
+        # never used again. Tools that must be killable run in the sandbox.
+        return Termination(kind="error", reason=f"env step timeout ({timeout_s}s)")
+    except Exception as error:  # the env's bug must not take the batch down
+        return Termination(kind="error", reason=f"{type(error).__name__}: {error}")
+
+
+def _on_fresh_env(ep: _Episode, env_factory: EnvFactory) -> Any:
+    """This turn's step again on a new env instance: reset with the task's seed and replayed
+    through the episode's earlier actions (envs are deterministic given seed and actions)."""
+    env = env_factory(ep.task.env_id, **ep.task.env_kwargs)
+    env.reset(seed=ep.task.seed)
+    actions = [m.content for m in ep.builder.messages if m.role == "assistant"]
+    for action in actions[:-1]:
+        env.step(action)
+    ep.env = env  # the failed one may still be stuck in its thread: it is never used again
+    return _step_env(ep)
+
+
+def _step_all(
+    stepping: list[_Episode], timeout_s: float, env_factory: EnvFactory, metrics: RolloutMetrics
+) -> None:
+    """Step every episode concurrently, each with `timeout_s` from the start of the turn. A step
+    that raises or hangs is retried once, on a fresh env (`_on_fresh_env`), so one flaky env
+    call does not cost the group a member; failing again ends the episode as an error."""
+    results = _run_concurrently([functools.partial(_step_env, ep) for ep in stepping], timeout_s)
+    failed = [ep for ep, r in zip(stepping, results, strict=True) if isinstance(r, Termination)]
+    metrics.env_retries += len(failed)
+    retried = _run_concurrently(
+        [functools.partial(_on_fresh_env, ep, env_factory) for ep in failed], timeout_s
+    )
+    again = dict(zip(map(id, failed), retried, strict=True))
+    for ep, result in zip(stepping, results, strict=True):
+        result = again.get(id(ep), result)
+        if isinstance(result, Termination):
+            ep.termination = Termination(kind="error", reason=f"{result.reason} (retried once)")
+            metrics.env_failures += 1
             continue
         try:
             _apply_step(ep, result)
@@ -266,6 +298,13 @@ def _step_all(stepping: list[_Episode], timeout_s: float) -> None:
             raise
         except Exception as error:
             ep.termination = Termination(kind="error", reason=f"{type(error).__name__}: {error}")
+
+
+def _run_concurrently(calls: list[Callable[[], Any]], timeout_s: float) -> list[Any]:
+    """Each call in a daemon thread, all with one deadline; results or `Termination`s."""
+    futures = [_in_daemon_thread(call) for call in calls]
+    deadline = time.perf_counter() + timeout_s
+    return [_step_or_error(future, deadline, timeout_s) for future in futures]
 
 
 def _to_record(
@@ -317,6 +356,7 @@ def _run_turn(
     step: int,
     turn: int,
     metrics: RolloutMetrics,
+    env_factory: EnvFactory = make_env,
 ) -> None:
     started = time.perf_counter()
     try:
@@ -334,7 +374,7 @@ def _run_turn(
         if not _end_turn(ep, gen, cut):
             stepping.append(ep)
     started = time.perf_counter()
-    _step_all(stepping, config.env_step_timeout_s)
+    _step_all(stepping, config.env_step_timeout_s, env_factory, metrics)
     metrics.env_time_s += time.perf_counter() - started
     for ep in stepping:
         if not ep.done and len(ep.builder.token_ids) >= config.max_context_tokens:
@@ -380,7 +420,7 @@ def collect_groups(
         bar = progress.add_task("rollout", total=len(episodes))
         turn = 0
         while active := [ep for ep in episodes if not ep.done]:
-            _run_turn(active, backend, tokenizer, config, step, turn, metrics)
+            _run_turn(active, backend, tokenizer, config, step, turn, metrics, env_factory)
             turn += 1
             progress.update(bar, completed=sum(ep.done for ep in episodes))
     records = []
