@@ -40,6 +40,7 @@ import os
 import pwd
 import random
 import resource
+import select
 import selectors
 import shutil
 import signal
@@ -76,8 +77,10 @@ _UID_RANGE = range(61000, 61512)
 _SH = "/bin/sh"
 # The call's first process: stops itself until the parent has put it in the cgroup and set its
 # rlimits (then it sends SIGCONT), and execs the rest: `setpriv` to the leased uid when we are
-# root, then bwrap (or, in the fallback, the interpreter). If the parent dies meanwhile, the
-# kernel sends SIGHUP to the orphaned, stopped process group, which ends it.
+# root, then bwrap (or, in the fallback, the interpreter). It is started by `setpriv
+# --pdeathsig KILL`: the kernel's SIGHUP to orphaned stopped groups does not reach a group in its
+# own session, so without it a gate whose parent died while it waited would stay stopped forever
+# (measured). From bwrap on, `--die-with-parent` does the same.
 _GATE = 'kill -STOP $$ && exec "$@"; exit 125'
 _BWRAP_TASKS = 2
 """Tasks bwrap itself holds in the call's cgroup: its monitor and the namespace's init."""
@@ -85,7 +88,6 @@ _STOP_GRACE_S = 1.0
 """How long bwrap's monitor gets to reap the killed sandbox before the process-group SIGKILL."""
 _EXIT_GRACE_S = 0.2
 """How long to keep reading after the first process exits (only leftover writers hold pipes)."""
-_POLL_S = 0.05
 _SWEEP_TIMEOUT_S = 5.0
 _log = logging.getLogger(__name__)
 _said: set[str] = set()
@@ -290,12 +292,15 @@ def _run(
     """Start the gate, release it into its cgroup, collect output, reap everything."""
     start = time.monotonic()
     proc = _spawn([*_drop_argv(uid), *launch.argv], launch, stdin_fd)
+    exited = os.pidfd_open(proc.pid)  # readable once it exits; pins its pid until we reap it
     try:
         _release(proc.pid, cgroup, _rlimits(limits, uid, tasks))
-        out, err, truncated = _collect(proc, start + limits.wall_time_s, limits.max_output_bytes)
-        timed_out = not truncated and not _wait_exit(proc.pid, start + limits.wall_time_s)
+        deadline = start + limits.wall_time_s
+        out, err, truncated = _collect(proc, exited, deadline, limits.max_output_bytes)
+        timed_out = not truncated and not _wait_exit(exited, deadline)
     finally:
-        _stop(proc, launch.status)
+        _stop(proc, exited, launch.status)
+        os.close(exited)
     if cgroup is not None:
         _empty(cgroup)
     status = launch.status.fields() if launch.status is not None else {}
@@ -320,7 +325,7 @@ def _run(
 def _spawn(argv: list[str], launch: _Launch, stdin_fd: int) -> subprocess.Popen[bytes]:
     """Start the gate (then `argv`) in a new session, with a scrubbed environment."""
     return subprocess.Popen(
-        [_SH, "-c", _GATE, "gate", *argv],
+        [_tool("setpriv"), "--pdeathsig", "KILL", "--", _SH, "-c", _GATE, "gate", *argv],
         stdin=stdin_fd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -341,10 +346,12 @@ def _tool(name: str) -> str:
 
 
 def _release(pid: int, cgroup: CallCgroup | None, rlimits: dict[int, tuple[int, int]]) -> None:
-    """Once the gate has stopped itself: put it in its cgroup, set its rlimits, and continue it."""
-    info = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
-    if info is None or info.si_code != os.CLD_STOPPED:
-        raise SandboxError("the sandbox's first process ended before it could be confined")
+    """Put the gate in its cgroup, set its rlimits, and continue it once it has stopped itself.
+
+    The gate forks nothing before it is continued, so this need not wait for its stop, and the
+    cgroup move (one RCU grace period, 5-10 ms here) overlaps its start. Only SIGCONT must come
+    after the stop: sent before, it would be lost and the gate would stop for good.
+    """
     try:
         if cgroup is not None:
             cgroup.join(pid)
@@ -352,6 +359,9 @@ def _release(pid: int, cgroup: CallCgroup | None, rlimits: dict[int, tuple[int, 
             resource.prlimit(pid, which, value)
     except OSError as error:
         raise SandboxError(f"could not confine the sandbox's first process: {error}") from error
+    info = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
+    if info is None or info.si_code != os.CLD_STOPPED:
+        raise SandboxError("the sandbox's first process ended before it could be confined")
     os.kill(pid, signal.SIGCONT)
 
 
@@ -394,21 +404,30 @@ def _drop_argv(uid: int | None) -> list[str]:
     return [_tool("setpriv"), *ids, "--no-new-privs", "--"]
 
 
-def _collect(proc: subprocess.Popen[bytes], deadline: float, cap: int) -> tuple[bytes, bytes, bool]:
-    """Read stdout and stderr until EOF, the deadline, or either passing `cap` bytes."""
+def _collect(
+    proc: subprocess.Popen[bytes], exited: int, deadline: float, cap: int
+) -> tuple[bytes, bytes, bool]:
+    """Read stdout and stderr until EOF, the deadline, or either passing `cap` bytes.
+
+    Once the first process has exited (`exited`, its pidfd, is readable) only leftover writers
+    can hold the pipes open, so reading goes on for `_EXIT_GRACE_S` at most.
+    """
     assert proc.stdout is not None and proc.stderr is not None
     buffers = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     truncated = False
     with selectors.DefaultSelector() as selector:
         for fd in buffers:
             selector.register(fd, selectors.EVENT_READ)
-        while selector.get_map() and not truncated:
-            if _has_exited(proc.pid):
-                deadline = min(deadline, time.monotonic() + _EXIT_GRACE_S)
+        selector.register(exited, selectors.EVENT_READ)
+        while len(selector.get_map()) > 1 and not truncated:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            for key, _ in selector.select(min(remaining, _POLL_S)):
+            for key, _ in selector.select(remaining):
+                if key.fd == exited:
+                    selector.unregister(exited)
+                    deadline = min(deadline, time.monotonic() + _EXIT_GRACE_S)
+                    continue
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     selector.unregister(key.fd)
@@ -419,21 +438,13 @@ def _collect(proc: subprocess.Popen[bytes], deadline: float, cap: int) -> tuple[
     return bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()]), truncated
 
 
-def _has_exited(pid: int) -> bool:
-    """Whether our child `pid` has exited, without reaping it (so its pgid stays ours)."""
-    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+def _wait_exit(exited: int, deadline: float) -> bool:
+    """Wait (without reaping) until the pidfd `exited` says its process exited, or the deadline."""
+    readable, _, _ = select.select([exited], [], [], max(0.0, deadline - time.monotonic()))
+    return bool(readable)
 
 
-def _wait_exit(pid: int, deadline: float) -> bool:
-    """Wait (without reaping) until `pid` exits or the deadline passes; True if it exited."""
-    while not _has_exited(pid):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.002)
-    return True
-
-
-def _stop(proc: subprocess.Popen[bytes], status: _BwrapStatus | None) -> None:
+def _stop(proc: subprocess.Popen[bytes], exited: int, status: _BwrapStatus | None) -> None:
     """End the call if it still runs, and reap its first process.
 
     Under bwrap the sandbox's PID 1 is killed first: its death takes every process of the
@@ -441,9 +452,9 @@ def _stop(proc: subprocess.Popen[bytes], status: _BwrapStatus | None) -> None:
     would orphan PID 1 and leave its zombie to the machine's init. The process-group SIGKILL
     after that is for the fallback, and for a bwrap that has not started PID 1 yet.
     """
-    if proc.returncode is None and not _has_exited(proc.pid) and status is not None:
+    if proc.returncode is None and not _wait_exit(exited, 0) and status is not None:
         _kill_sandbox_init(proc.pid, status)
-        _wait_exit(proc.pid, time.monotonic() + _STOP_GRACE_S)
+        _wait_exit(exited, time.monotonic() + _STOP_GRACE_S)
     if proc.returncode is None:
         # Not reaped yet, so its pgid cannot have been reused by anyone else.
         with contextlib.suppress(ProcessLookupError, PermissionError):
