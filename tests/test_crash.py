@@ -40,7 +40,8 @@ def train(root: Path, model_dir: Path, name: str, *extra: str, crash: str | None
     env.pop("AGENT_GRPO_CRASH_AT", None)
     if crash is not None:
         env["AGENT_GRPO_CRASH_AT"] = crash
-    command = [sys.executable, "-m", "agent_grpo.cli", "train", str(ROOT / "configs/calculator-tiny.yaml"),
+    config = str(ROOT / "configs/calculator-tiny.yaml")
+    command = [sys.executable, "-m", "agent_grpo.cli", "train", config,
                f"model.name_or_path={model_dir}", f"run.root={root}", f"run.name={name}",
                *SETTINGS, *extra]  # fmt: skip
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)

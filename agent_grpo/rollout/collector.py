@@ -42,6 +42,7 @@ from agent_grpo.tokens import ChatTemplateError, TokenBuilder
 from agent_grpo.trajectory import Message, Termination, TrajectoryRecord, TurnRecord
 
 __all__ = [
+    "EnvStepError",
     "PromptTooLongError",
     "RolloutMetrics",
     "RolloutResult",
@@ -271,8 +272,16 @@ def _on_fresh_env(ep: _Episode, env_factory: EnvFactory) -> Any:
     return _step_env(ep)
 
 
+class EnvStepError(RuntimeError):
+    """An env step or its verifier failed twice, with `rollout.stop_on_env_error` set."""
+
+
 def _step_all(
-    stepping: list[_Episode], timeout_s: float, env_factory: EnvFactory, metrics: RolloutMetrics
+    stepping: list[_Episode],
+    timeout_s: float,
+    env_factory: EnvFactory,
+    metrics: RolloutMetrics,
+    stop_on_error: bool = False,
 ) -> None:
     """Step every episode concurrently, each with `timeout_s` from the start of the turn. A step
     that raises or hangs is retried once, on a fresh env (`_on_fresh_env`), so one flaky env
@@ -287,6 +296,13 @@ def _step_all(
     for ep, result in zip(stepping, results, strict=True):
         result = again.get(id(ep), result)
         if isinstance(result, Termination):
+            if stop_on_error:
+                action = ep.builder.messages[-1].content
+                raise EnvStepError(
+                    f"{ep.task.env_id} seed {ep.task.seed} turn {len(ep.turns) - 1}: "
+                    f"{result.reason} (also on a fresh env); the model's action was "
+                    f"{action[:300]!r}"
+                )
             ep.termination = Termination(kind="error", reason=f"{result.reason} (retried once)")
             metrics.env_failures += 1
             continue
@@ -374,7 +390,8 @@ def _run_turn(
         if not _end_turn(ep, gen, cut):
             stepping.append(ep)
     started = time.perf_counter()
-    _step_all(stepping, config.env_step_timeout_s, env_factory, metrics)
+    _step_all(stepping, config.env_step_timeout_s, env_factory, metrics,
+              config.stop_on_env_error)  # fmt: skip
     metrics.env_time_s += time.perf_counter() - started
     for ep in stepping:
         if not ep.done and len(ep.builder.token_ids) >= config.max_context_tokens:

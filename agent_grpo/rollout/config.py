@@ -80,6 +80,9 @@ class RolloutConfig(ConfigModel):
     """Deadline for one environment step."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings for training rollouts."""
+    stop_on_env_error: bool = False
+    """Stop at the first env step or verifier that raises or hangs (after its one retry), with
+    the env, the seed and the model's action, instead of recording the episode as an error."""
     check_invariants: bool = True
     """Check the provenance invariants on every record (cheap; leave on)."""
     progress: bool = True

@@ -58,7 +58,7 @@ from agent_grpo.train.metrics import (
 )
 from agent_grpo.train.parallel import broadcast_object
 from agent_grpo.train.rollout import collect
-from agent_grpo.train.step_log import open_tensorboard, record_step
+from agent_grpo.train.step_log import DeadStepWatch, open_tensorboard, record_step
 from agent_grpo.train.trainer import (
     Trainer,
     compute_dtype,
@@ -166,6 +166,8 @@ def train_step(
         rollout_model_time_s=rollout.metrics.model_time_s,
         rollout_env_time_s=rollout.metrics.env_time_s,
         tool_errors=rollout.metrics.tool_errors,
+        env_retries=rollout.metrics.env_retries,
+        env_failures=rollout.metrics.env_failures,
         step_time_s=time.perf_counter() - started,
     )
     return metrics, records
@@ -261,11 +263,12 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
     else:  # base eval and warm start are done: a resume never repeats them
         save(run, trainer, state, keep)
     tensorboard = open_tensorboard(run, config) if run is not None else None
-    saved_at = time.monotonic()
+    saved_at, watch = time.monotonic(), DeadStepWatch()
     for step in range(state.step, config.steps):
         metrics, records = train_step(config, trainer, step, max_tokens)
         if run is not None:
             record_step(run, config, metrics, records, tensorboard)
+            watch.see(metrics)
         crash_point("after_step", step)  # crash tests: recorded, not checkpointed
         state.step = step + 1
         if broadcast_object(checkpoint_due(config, state.step, saved_at), ctx):

@@ -317,6 +317,10 @@ class StepMetrics(BaseModel):
     """Seconds spent in environment steps (tools)."""
     tool_errors: int
     """Tool calls that failed (parse, validation, exception, timeout, oversized)."""
+    env_retries: int
+    """Env steps that raised or hung and were retried on a fresh env instance."""
+    env_failures: int
+    """Env steps that failed again on the retry (those episodes are excluded as errors)."""
     step_time_s: float
     """Wall time of the whole step."""
 
