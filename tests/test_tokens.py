@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 import pytest
+from reference_tokens import render_reference
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.invariants import TrajectoryInvariantError, check_invariants
@@ -15,7 +16,6 @@ from agent_grpo.tokens import (
     ChatTemplateError,
     TemplateNotAppendOnlyError,
     TokenBuilder,
-    render_reference,
 )
 from agent_grpo.trajectory import Message, Provenance, Termination, TrajectoryRecord, TurnRecord
 

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference_tokens import render_reference
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.invariants import check_invariants
-from agent_grpo.tokens import TokenBuilder, encode_plain, render_reference
+from agent_grpo.tokens import TokenBuilder, encode_plain
 from agent_grpo.trajectory import Message, Provenance, Termination, TrajectoryRecord, TurnRecord
 
 EOS = 2

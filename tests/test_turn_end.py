@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from reference_tokens import render_reference
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.invariants import check_invariants
@@ -21,7 +22,6 @@ from agent_grpo.tokens import (
     ChatTemplateError,
     TokenBuilder,
     TurnEnd,
-    render_reference,
     turn_end_ids,
 )
 from agent_grpo.train.warm_start import expert_record
