@@ -7,9 +7,11 @@ Rows of issue #14's table map to tests as listed in docs/sandbox.md.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -34,6 +36,7 @@ from agent_grpo.tools.sandbox_cgroup import (
     parse_mountinfo,
     parse_proc_cgroup,
 )
+from agent_grpo.tools.sandbox_seccomp import blocked_syscalls_filter, native_abi
 
 IS_ROOT = os.geteuid() == 0
 TEST_UIDS = range(62000, 62016)
@@ -535,6 +538,39 @@ def test_what_the_sandbox_still_sees_kernel_info_and_system_libraries() -> None:
     assert result.stdout == "True\nTrue\nTrue\nTrue\nsandbox\n"
 
 
+KEYS_LEAVE = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+key = libc.syscall(248, b"user", b"agent-grpo-test-key", b"hunter2", 7, -4)  # add_key to @u
+print(key, os.strerror(ctypes.get_errno()))
+print(libc.syscall(250, 5, key, 0x3F3F0000), os.strerror(ctypes.get_errno()))  # let the uid read
+"""
+KEYS_FIND = """
+import ctypes, mmap
+print([line.split()[-2] for line in open('/proc/keys') if 'agent-grpo' in line])
+# The same keyctl through the i386 entry point (int 0x80), where it has another number: 288.
+code = bytes.fromhex("b820010000" "bb00000000" "b9fcffffff" "31d2" "cd80" "c3")
+page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+page.write(code)
+print(ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))())
+"""
+
+
+@needs_bwrap
+@needs_root
+@pytest.mark.skipif(native_abi() is None or os.uname().machine != "x86_64", reason="x86_64 only")
+def test_kernel_keyrings_are_closed_so_nothing_crosses_to_the_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the filter, a key one call left readable was read by the next call on its uid."""
+    monkeypatch.setattr(sandbox, "_UID_RANGE", range(TEST_UIDS[2], TEST_UIDS[2] + 1))
+    left = run_contained(KEYS_LEAVE)
+    found = run_contained(KEYS_FIND)
+    assert left.stdout == "-1 Operation not permitted\n-1 Operation not permitted\n"
+    assert found.stdout == "[]\n-38\n"  # nothing listed; i386 syscalls get ENOSYS
+    assert left.uid == found.uid
+
+
 # --- the rest of the battery -----------------------------------------------------------------
 
 
@@ -789,6 +825,39 @@ def test_opted_in_fallback_runs_code_and_removes_its_dir_without_following_links
 
 
 # --- pure parts ------------------------------------------------------------------------------
+
+
+def run_bpf(program: bytes, arch: int, nr: int) -> int:
+    """What a classic-BPF seccomp program returns for a syscall (the few opcodes we emit)."""
+    code = [struct.unpack("=HBBI", program[i : i + 8]) for i in range(0, len(program), 8)]
+    data, accumulator, pc = {0: nr, 4: arch}, 0, 0
+    while True:
+        op, jt, jf, k = code[pc]
+        if op == 0x06:  # ret
+            return k
+        if op == 0x20:  # ld [k]
+            accumulator = data[k]
+            pc += 1
+            continue
+        taken = accumulator == k if op == 0x15 else accumulator >= k  # jeq / jge
+        pc += 1 + (jt if taken else jf)
+
+
+def test_seccomp_filter_refuses_keyrings_and_foreign_abis_on_both_arches() -> None:
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
+    for machine, read_nr in (("x86_64", 0), ("aarch64", 63)):
+        abi = native_abi(machine)
+        assert abi is not None
+        program = blocked_syscalls_filter(abi)
+        verdicts = [run_bpf(program, abi.audit_arch, nr) for nr in abi.keyring_syscalls]
+        assert verdicts == [eperm] * 3
+        assert run_bpf(program, abi.audit_arch, read_nr) == allow
+        assert run_bpf(program, 0x40000003, 288) == enosys  # i386's keyctl
+    x86 = native_abi("x86_64")
+    assert x86 is not None
+    assert run_bpf(blocked_syscalls_filter(x86), x86.audit_arch, 0x40000000 | 250) == enosys  # x32
+    assert native_abi("riscv64") is None
+
 
 V1_MOUNTINFO = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755

@@ -2,7 +2,8 @@
 
 Each call runs `python -I -S -u main.py` (isolated mode, stdlib only, unbuffered) under `bwrap`
 (`sandbox_bwrap.py`): new user, mount, PID, IPC, UTS, cgroup and network namespaces (network kept
-only with `network=True`), no capabilities, no new user namespaces, a read-only root holding only
+only with `network=True`), no capabilities, no new user namespaces, no kernel keyrings (a seccomp
+filter, `sandbox_seccomp.py`), a read-only root holding only
 the interpreter, its stdlib and shared libraries, and private size-capped tmpfs mounts for `/tmp`
 (holding the working dir) and `/dev/shm`. A cgroup per call (`sandbox_cgroup.py`) caps memory and
 processes of the whole tree; rlimits cap CPU seconds, address space, file size and open files per
@@ -68,6 +69,7 @@ from agent_grpo.tools.sandbox_bwrap import (
     find_interpreter,
 )
 from agent_grpo.tools.sandbox_cgroup import CallCgroup, create_cgroup, dispose_cgroup, find_layout
+from agent_grpo.tools.sandbox_seccomp import blocked_syscalls_filter, native_abi
 
 __all__ = ["FALLBACK_ENV", "SandboxError", "SandboxLimits", "SandboxResult", "run_sandboxed"]
 
@@ -242,6 +244,8 @@ def _bwrap_launch(
     """The bwrap command, with the code in a memfd that bwrap copies into the sandbox's tmpfs."""
     code_fd = stack.enter_context(_memfd(code.encode()))
     status_r, status_w = _pipe(stack)
+    abi = native_abi()
+    seccomp_fd = stack.enter_context(_memfd(blocked_syscalls_filter(abi))) if abi else None
     argv = bwrap_argv(
         bwrap,
         python,
@@ -249,8 +253,10 @@ def _bwrap_launch(
         disk_bytes=limits.disk_mb << 20,
         code_fd=code_fd,
         status_fd=status_w,
+        seccomp_fd=seccomp_fd,
     )
-    return _Launch(argv, "/", WORKDIR, (code_fd, status_w), _BwrapStatus(status_r))
+    fds = (code_fd, status_w, *([seccomp_fd] if seccomp_fd is not None else []))
+    return _Launch(argv, "/", WORKDIR, fds, _BwrapStatus(status_r))
 
 
 def _fallback_launch(

@@ -20,7 +20,8 @@ Where this departs from the usual bwrap recipe, and why:
   end leaves no zombie behind. The sandbox therefore holds a shell too (`shell=True` works).
 - `--disable-userns` (bwrap 0.8+) rather than a seccomp filter: it sets the new user namespace's
   `max_user_namespaces` to 0, so `unshare(CLONE_NEWUSER)` inside fails with ENOSPC. Older bwrap is
-  refused rather than run without it.
+  refused rather than run without it. The seccomp filter (`sandbox_seccomp.py`) only closes the
+  kernel keyrings, which no namespace covers.
 """
 
 from __future__ import annotations
@@ -192,9 +193,11 @@ def bwrap_argv(
     disk_bytes: int,
     code_fd: int,
     status_fd: int,
+    seccomp_fd: int | None,
 ) -> list[str]:
     """The full command: bwrap's options, then the interpreter on `WORKDIR/main.py`."""
     args = [bwrap.path, "--unshare-all", "--unshare-user", "--disable-userns"]
+    args += ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
     args += ["--share-net"] if network else []
     args += ["--die-with-parent", "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox"]
     args += ["--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "LANG", "C.UTF-8"]
