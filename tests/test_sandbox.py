@@ -571,6 +571,19 @@ def test_kernel_keyrings_are_closed_so_nothing_crosses_to_the_next_call(
     assert left.uid == found.uid
 
 
+@needs_bwrap
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64 syscall numbers")
+def test_io_uring_userfaultfd_perf_and_bpf_are_refused() -> None:
+    code = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "for nr in (425, 426, 427, 323, 298, 321):\n"
+        "    libc.syscall(nr, 0, 0, 0, 0, 0)\n"
+        "    print(os.strerror(ctypes.get_errno()))\n"
+    )
+    assert run_contained(code).stdout == "Operation not permitted\n" * 6
+
+
 # --- the rest of the battery -----------------------------------------------------------------
 
 
@@ -843,14 +856,18 @@ def run_bpf(program: bytes, arch: int, nr: int) -> int:
         pc += 1 + (jt if taken else jf)
 
 
+BLOCKED = ["add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter",
+           "io_uring_register", "userfaultfd", "perf_event_open", "bpf"]  # fmt: skip
+
+
 def test_seccomp_filter_refuses_keyrings_and_foreign_abis_on_both_arches() -> None:
     allow, eperm, enosys = 0x7FFF0000, 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
     for machine, read_nr in (("x86_64", 0), ("aarch64", 63)):
         abi = native_abi(machine)
         assert abi is not None
         program = blocked_syscalls_filter(abi)
-        verdicts = [run_bpf(program, abi.audit_arch, nr) for nr in abi.keyring_syscalls]
-        assert verdicts == [eperm] * 3
+        verdicts = {name: run_bpf(program, abi.audit_arch, nr) for name, nr in abi.blocked.items()}
+        assert verdicts == dict.fromkeys(BLOCKED, eperm)
         assert run_bpf(program, abi.audit_arch, read_nr) == allow
         assert run_bpf(program, 0x40000003, 288) == enosys  # i386's keyctl
     x86 = native_abi("x86_64")

@@ -1,9 +1,13 @@
-"""The seccomp filter bwrap installs in the sandbox: no kernel keyrings, and only the native ABI.
+"""The seccomp filter bwrap installs in the sandbox: no kernel keyrings, no io_uring, userfaultfd,
+perf events or BPF, and only the native syscall ABI.
 
 Kernel keyrings belong to no namespace bwrap unshares. Each call's new user namespace gets fresh
 keyrings, but the keys in them outlive the call until the kernel's key GC runs: measured here, a
 key one call left readable by its uid was read by the next call on the same uid, 30-50 ms later.
-So `add_key`, `request_key` and `keyctl` fail with EPERM, as under Docker's default profile.
+So `add_key`, `request_key` and `keyctl` fail with EPERM, as under Docker's default profile. So
+do io_uring, `userfaultfd`, `perf_event_open` and `bpf`: open to unprivileged processes here
+(`kernel.io_uring_disabled=0`, userfaultfd in user mode), of no use to a stdlib program, and
+common paths of kernel exploits (Docker refuses them too).
 
 Where this departs from common practice, and why: the filter is a dozen classic-BPF instructions
 written here, not generated with libseccomp, which has no binding for our interpreter and would
@@ -17,6 +21,7 @@ from __future__ import annotations
 import errno
 import platform
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["NativeAbi", "blocked_syscalls_filter", "native_abi"]
@@ -37,15 +42,40 @@ class NativeAbi:
 
     audit_arch: int
     """`AUDIT_ARCH_*` value the kernel reports for native syscalls."""
-    keyring_syscalls: tuple[int, ...]
-    """Numbers of add_key, request_key and keyctl."""
+    blocked: Mapping[str, int]
+    """Name and number of each syscall that fails with EPERM."""
     x32_bit: bool
     """Whether syscall numbers with bit 30 set (x32) share this arch value and must be refused."""
 
 
+_IO_URING = {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}
 _ABIS = {
-    "x86_64": NativeAbi(0xC000003E, (248, 249, 250), x32_bit=True),
-    "aarch64": NativeAbi(0xC00000B7, (217, 218, 219), x32_bit=False),
+    "x86_64": NativeAbi(
+        0xC000003E,
+        {
+            "add_key": 248,
+            "request_key": 249,
+            "keyctl": 250,
+            **_IO_URING,
+            "userfaultfd": 323,
+            "perf_event_open": 298,
+            "bpf": 321,
+        },
+        x32_bit=True,
+    ),
+    "aarch64": NativeAbi(
+        0xC00000B7,
+        {
+            "add_key": 217,
+            "request_key": 218,
+            "keyctl": 219,
+            **_IO_URING,
+            "userfaultfd": 282,
+            "perf_event_open": 241,
+            "bpf": 280,
+        },
+        x32_bit=False,
+    ),
 }
 
 
@@ -55,8 +85,8 @@ def native_abi(machine: str | None = None) -> NativeAbi | None:
 
 
 def blocked_syscalls_filter(abi: NativeAbi) -> bytes:
-    """A `struct sock_filter[]` for bwrap's `--seccomp`: keyrings get EPERM, other ABIs ENOSYS."""
-    blocked = abi.keyring_syscalls
+    """A `struct sock_filter[]` for bwrap's `--seccomp`: `abi.blocked` EPERM, other ABIs ENOSYS."""
+    blocked = list(abi.blocked.values())
     # Layout: 0 load arch; 1 arch check; 2 load nr; [x32 check]; one check per blocked number;
     # then ALLOW, EPERM, ENOSYS. Jump offsets count instructions after the jump.
     checks = int(abi.x32_bit) + len(blocked)
