@@ -573,15 +573,16 @@ def test_kernel_keyrings_are_closed_so_nothing_crosses_to_the_next_call(
 
 @needs_bwrap
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64 syscall numbers")
-def test_io_uring_userfaultfd_perf_and_bpf_are_refused() -> None:
+def test_inotify_io_uring_userfaultfd_perf_and_bpf_are_refused() -> None:
+    """inotify would let a call see others (and the host) open the files they share read-only."""
     code = (
         "import ctypes, os\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
-        "for nr in (425, 426, 427, 323, 298, 321):\n"
+        "for nr in (253, 294, 300, 425, 426, 427, 323, 298, 321):\n"
         "    libc.syscall(nr, 0, 0, 0, 0, 0)\n"
         "    print(os.strerror(ctypes.get_errno()))\n"
     )
-    assert run_contained(code).stdout == "Operation not permitted\n" * 6
+    assert run_contained(code).stdout == "Operation not permitted\n" * 9
 
 
 # --- the rest of the battery -----------------------------------------------------------------
@@ -857,7 +858,8 @@ def run_bpf(program: bytes, arch: int, nr: int) -> int:
 
 
 BLOCKED = ["add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter",
-           "io_uring_register", "userfaultfd", "perf_event_open", "bpf"]  # fmt: skip
+           "io_uring_register", "userfaultfd", "perf_event_open", "bpf", "inotify_init1",
+           "fanotify_init"]  # fmt: skip
 
 
 def test_seccomp_filter_refuses_keyrings_and_foreign_abis_on_both_arches() -> None:
@@ -867,7 +869,8 @@ def test_seccomp_filter_refuses_keyrings_and_foreign_abis_on_both_arches() -> No
         assert abi is not None
         program = blocked_syscalls_filter(abi)
         verdicts = {name: run_bpf(program, abi.audit_arch, nr) for name, nr in abi.blocked.items()}
-        assert verdicts == dict.fromkeys(BLOCKED, eperm)
+        wanted = [*BLOCKED, *(["inotify_init"] if machine == "x86_64" else [])]
+        assert verdicts == dict.fromkeys(wanted, eperm)
         assert run_bpf(program, abi.audit_arch, read_nr) == allow
         assert run_bpf(program, 0x40000003, 288) == enosys  # i386's keyctl
     x86 = native_abi("x86_64")

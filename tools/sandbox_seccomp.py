@@ -1,19 +1,23 @@
-"""The seccomp filter bwrap installs in the sandbox: no kernel keyrings, no io_uring, userfaultfd,
-perf events or BPF, and only the native syscall ABI.
+"""The seccomp filter bwrap installs in the sandbox: no kernel keyrings, no inotify, no io_uring,
+userfaultfd, perf events or BPF, and only the native syscall ABI.
 
 Kernel keyrings belong to no namespace bwrap unshares. Each call's new user namespace gets fresh
 keyrings, but the keys in them outlive the call until the kernel's key GC runs: measured here, a
 key one call left readable by its uid was read by the next call on the same uid, 30-50 ms later.
-So `add_key`, `request_key` and `keyctl` fail with EPERM, as under Docker's default profile. So
-do io_uring, `userfaultfd`, `perf_event_open` and `bpf`: open to unprivileged processes here
+So `add_key`, `request_key` and `keyctl` fail with EPERM, as under Docker's default profile.
+inotify and fanotify watch inodes, not mounts: measured here, a call watching a stdlib file saw
+the host open it, so concurrent calls could signal each other through the files they share
+read-only; `inotify_init`, `inotify_init1` and `fanotify_init` fail with EPERM too. So do
+io_uring, `userfaultfd`, `perf_event_open` and `bpf`: open to unprivileged processes here
 (`kernel.io_uring_disabled=0`, userfaultfd in user mode), of no use to a stdlib program, and
 common paths of kernel exploits (Docker refuses them too).
 
-Where this departs from common practice, and why: the filter is a dozen classic-BPF instructions
-written here, not generated with libseccomp, which has no binding for our interpreter and would
-be a compiled dependency for three syscalls. It checks the architecture first, as every seccomp
-filter must: a syscall made through another ABI (i386 `int 0x80` on x86_64, x32) has other
-numbers and would slip past, so every such syscall fails with ENOSYS.
+Where this departs from common practice, and why: the filter is a score of classic-BPF
+instructions written here, not generated with libseccomp, which has no binding for our
+interpreter and would be a compiled dependency for a deny-list of a dozen syscalls. It checks the
+architecture first, as every seccomp filter must: a syscall made through another ABI (i386
+`int 0x80` on x86_64, x32) has other numbers and would slip past, so every such syscall fails
+with ENOSYS.
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ _ABIS = {
             "userfaultfd": 323,
             "perf_event_open": 298,
             "bpf": 321,
+            "inotify_init": 253,
+            "inotify_init1": 294,
+            "fanotify_init": 300,
         },
         x32_bit=True,
     ),
@@ -73,6 +80,8 @@ _ABIS = {
             "userfaultfd": 282,
             "perf_event_open": 241,
             "bpf": 280,
+            "inotify_init1": 26,  # no inotify_init on aarch64
+            "fanotify_init": 262,
         },
         x32_bit=False,
     ),
