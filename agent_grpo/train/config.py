@@ -20,6 +20,7 @@ from agent_grpo.rollout.config import (
     RolloutConfig,
     VLLMBackendConfig,
 )
+from agent_grpo.train.lora import LoraSettings
 
 __all__ = [
     "AlgoConfig",
@@ -47,6 +48,8 @@ class ModelConfig(ConfigModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of the forward passes (training and `hf` sampling). Parameters, and so the
     optimizer's master weights, stay fp32; bfloat16 runs under autocast."""
+    lora: LoraSettings | None = None
+    """Train a LoRA adapter (peft) instead of every weight; None: full fine-tuning."""
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """Where the policy, the reference and every batch tensor live: `auto` (this rank's GPU if
     CUDA is available, else the CPU), `cpu`, `cuda` (this rank's GPU) or `cuda:N`."""
@@ -159,6 +162,15 @@ class TrainConfig(ConfigModel):
                 f"algo.minibatches={self.algo.minibatches} is more than the {rows} trajectories "
                 "of a step (rollout.tasks_per_step x rollout.group_size): some minibatches "
                 "would be empty"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_in_one_process(self) -> TrainConfig:
+        if self.model.lora is not None and self.distributed.mode != "none":
+            raise ValueError(
+                f"model.lora with distributed.mode={self.distributed.mode} is not built: train "
+                "LoRA in one process (distributed.mode=none)"
             )
         return self
 

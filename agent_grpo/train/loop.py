@@ -40,7 +40,8 @@ from agent_grpo.config import ConfigError, dump_config
 from agent_grpo.evaluate import env_stop_strings
 from agent_grpo.faults import crash_point
 from agent_grpo.logs import get_logger
-from agent_grpo.models import load_model, load_tokenizer
+from agent_grpo.models import load_tokenizer, resolve_model_path
+from agent_grpo.preflight import preflight_train
 from agent_grpo.registry import make_env
 from agent_grpo.rollout.factory import build_backend
 from agent_grpo.rollout.summary import summarize_trajectories
@@ -62,6 +63,8 @@ from agent_grpo.train.step_log import DeadStepWatch, open_tensorboard, record_st
 from agent_grpo.train.trainer import (
     Trainer,
     compute_dtype,
+    engine_copy,
+    load_policy,
     make_reference,
     model_source,
     push_weights,
@@ -220,6 +223,7 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
     Under torchrun every rank runs this: rank 0 alone samples, evaluates and writes the run
     directory, and every rank takes part in each update.
     """
+    preflight_train(config)  # a config mistake is one line here, before any model or run dir
     ctx = start_distributed(config)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
@@ -231,13 +235,16 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
     model_path = model_source(config, checkpoint, ctx)
     tokenizer = load_tokenizer(model_path)
     dtype = compute_dtype(config)
-    # fp32 parameters whatever `model.dtype` says: they are the optimizer's master weights
-    policy: torch.nn.Module = load_model(model_path, dtype=torch.float32)
-    policy = policy.to(ctx.device).eval()
+    policy = load_policy(config, checkpoint, ctx).to(ctx.device).eval()
     sampler = sampler_model(policy, config, ctx)
     backend = None
     if sampler is not None:
-        backend = build_backend(config.rollout.backend, sampler, tokenizer, model_path, dtype)
+        engine_path = (
+            resolve_model_path(config.model.name_or_path) if config.model.lora else model_path
+        )
+        backend = build_backend(config.rollout.backend, sampler, tokenizer, engine_path, dtype)
+        if config.model.lora and checkpoint is not None:  # an engine started from the base
+            backend.update_weights(engine_copy(sampler, backend))
     stop = env_stop_strings(config.env.id, config.env.kwargs)
     state = TrainerState(step=0)
     if checkpoint is None and backend is not None:  # a fresh run: base eval, warm start, eval
@@ -245,12 +252,13 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
         if config.warm_start is not None:
             losses = warm_start(config, policy, tokenizer, dtype)
             log.info("warm start: %d steps, nll %.3f -> %.3f", len(losses), losses[0], losses[-1])
-            backend.update_weights(policy)
+            backend.update_weights(engine_copy(policy, backend))
             state.eval_warm_start = run_eval(config, backend, tokenizer, stop, "warm start")
     reference = make_reference(run, policy, config, resume and checkpoint is not None)
     policy, reference = share_models(policy, reference, config, ctx)
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapter alone
     optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=config.algo.lr, weight_decay=config.algo.weight_decay
+        trainable, lr=config.algo.lr, weight_decay=config.algo.weight_decay
     )
     trainer = Trainer(
         policy=policy, reference=reference, optimizer=optimizer, tokenizer=tokenizer, stop=stop,

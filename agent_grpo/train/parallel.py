@@ -214,11 +214,14 @@ class LogprobModel(nn.Module):
         lm: nn.Module,
         allow_shared_prefix: bool = True,
         compute_dtype: torch.dtype = torch.float32,
+        adapter_disabled: bool = False,
     ) -> None:
         super().__init__()
         self.lm = lm
         self.allow_shared_prefix = allow_shared_prefix
         self.compute_dtype = compute_dtype
+        self.adapter_disabled = adapter_disabled
+        """A peft model run with its adapter off: LoRA's reference, sharing the policy's base."""
 
     def forward(
         self,
@@ -229,7 +232,10 @@ class LogprobModel(nn.Module):
         shared_prefix: bool,
     ) -> Tensor:
         """`micro_batch_logprobs` of the LM: `[b, t]` fp32, 0 off `target_mask`."""
-        with autocast(input_ids.device, self.compute_dtype):
+        off: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if self.adapter_disabled:
+            off = self.lm.disable_adapter()  # type: ignore[operator]
+        with off, autocast(input_ids.device, self.compute_dtype):
             return micro_batch_logprobs(
                 self.lm,
                 input_ids,

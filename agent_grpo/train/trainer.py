@@ -19,8 +19,10 @@ from agent_grpo.rollout.backend import GenerationBackend
 from agent_grpo.rollout.collector import RolloutResult
 from agent_grpo.store import RunDir
 from agent_grpo.train.config import TrainConfig
+from agent_grpo.train.lora import load_adapter, merged_copy, wrap_lora
 from agent_grpo.train.parallel import (
     DistContext,
+    LogprobModel,
     WrapMode,
     broadcast_module,
     broadcast_object,
@@ -35,6 +37,8 @@ from agent_grpo.train.parallel import (
 __all__ = [
     "Trainer",
     "compute_dtype",
+    "engine_copy",
+    "load_policy",
     "make_reference",
     "model_source",
     "push_weights",
@@ -96,6 +100,26 @@ def start_distributed(config: TrainConfig) -> DistContext:
         raise ConfigError(str(error)) from None
 
 
+def load_policy(config: TrainConfig, checkpoint: Path | None, ctx: DistContext) -> torch.nn.Module:
+    """The policy with fp32 parameters (the optimizer's master weights, whatever `model.dtype`
+    says): the base model, or the checkpoint's; with `model.lora`, the base model under a fresh
+    adapter or the checkpoint's adapter."""
+    source = model_source(config, checkpoint, ctx)
+    if config.model.lora is None:
+        return load_model(source, dtype=torch.float32)
+    base = load_model(resolve_model_path(config.model.name_or_path), dtype=torch.float32)
+    if checkpoint is not None and ctx.is_main:
+        return load_adapter(base, checkpoint / "model")
+    return wrap_lora(base, config.model.lora)
+
+
+def engine_copy(model: torch.nn.Module, backend: GenerationBackend) -> torch.nn.Module:
+    """What to hand `backend.update_weights`: the model itself, or for an engine that holds its
+    own weights (vLLM) and a LoRA policy, a merged copy of it."""
+    shares = getattr(backend, "model", None) is model  # the hf backend samples from the policy
+    return model if shares or not hasattr(model, "disable_adapter") else merged_copy(model)
+
+
 def model_source(config: TrainConfig, checkpoint: Path | None, ctx: DistContext) -> str:
     """Where this rank loads the policy from: rank 0 resumes from the checkpoint; the other
     ranks load the base model, and `share_models` gives them rank 0's weights."""
@@ -124,7 +148,7 @@ def make_reference(
 
     On resume that is no longer the policy, so rank 0 keeps it in the run directory.
     """
-    if config.algo.beta <= 0:
+    if config.algo.beta <= 0 or config.model.lora is not None:  # LoRA: see `share_models`
         return None
     reference = copy.deepcopy(policy).requires_grad_(False)
     if run is None:
@@ -148,6 +172,8 @@ def share_models(
     policy = wrap_policy(broadcast_module(policy, ctx), mode, ctx, dtype)
     if reference is not None:
         reference = wrap_reference(broadcast_module(reference, ctx), mode, ctx, dtype)
+    if config.model.lora is not None and config.algo.beta > 0:  # the same weights, adapter off
+        reference = LogprobModel(unwrap_policy(policy), compute_dtype=dtype, adapter_disabled=True)
     return policy, reference
 
 
@@ -166,9 +192,4 @@ def push_weights(trainer: Trainer) -> None:
         if trainer.sampler is not None:
             trainer.sampler.load_state_dict(state)
     if trainer.backend is not None and trainer.sampler is not None:
-        trainer.backend.update_weights(trainer.sampler)
-
-
-def plain_policy(trainer: Trainer) -> torch.nn.Module:
-    """The Hugging Face model inside the trainer's policy (FSDP2: still sharded)."""
-    return unwrap_policy(trainer.policy)
+        trainer.backend.update_weights(engine_copy(trainer.sampler, trainer.backend))
