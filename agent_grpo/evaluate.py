@@ -1,4 +1,9 @@
-"""Held-out evaluation: success rate, mean reward, pass@k, tool use, turns and tokens."""
+"""Held-out evaluation: success rate, mean reward, pass@k, tool use, turns and tokens.
+
+The module itself is callable: `agent_grpo.evaluate(config)` is the Python API's
+`agent_grpo.api.evaluate` (the `agent-grpo eval` job; returns a `Run`); `evaluate` here is the
+lower-level function over a backend and seeds.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from agent_grpo.callable_module import make_callable
 from agent_grpo.env import heldout_seeds
 from agent_grpo.registry import make_env
 from agent_grpo.rollout.backend import GenerationBackend, SamplingConfig
@@ -74,15 +80,18 @@ def evaluate(
     seed: int = 0,
     step: int = 0,
     stop: Sequence[str] = (),
+    progress: bool = True,
 ) -> tuple[EvalResult, list[TrajectoryRecord]]:
-    """Run `samples` episodes on each held-out seed and summarise them."""
+    """Run `samples` episodes on each held-out seed and summarise them (`progress`: a rollout
+    progress bar of its own; off inside a training run, whose display covers it)."""
     tasks = [Task(env_id=env_id, seed=s, env_kwargs=env_kwargs or {}) for s in seeds]
     sampling = SamplingConfig(
         temperature=temperature, max_tokens=max_tokens, seed=seed, stop=list(stop)
     )
     config = RolloutConfig(
-        group_size=samples, max_context_tokens=max_context_tokens, sampling=sampling
-    )
+        group_size=samples, max_context_tokens=max_context_tokens, sampling=sampling,
+        progress=progress,
+    )  # fmt: skip
     result = collect_groups(tasks, backend, tokenizer, config, step=step)
     return summarise_eval(result.records), result.records
 
@@ -105,11 +114,15 @@ def evaluate_heldout(
     max_context_tokens: int,
     seed: int,
     stop: Sequence[str],
+    progress: bool = True,
 ) -> tuple[EvalResult, list[TrajectoryRecord]]:
     """`evaluate` on the first `eval_config.tasks` held-out seeds, as configured."""
     return evaluate(
         backend, tokenizer, env.id, heldout_seeds(eval_config.tasks), env_kwargs=env.kwargs,
         samples=eval_config.samples, temperature=eval_config.temperature,
         max_tokens=eval_config.max_tokens, max_context_tokens=max_context_tokens, seed=seed,
-        stop=stop,
+        stop=stop, progress=progress,
     )  # fmt: skip
+
+
+make_callable(__name__, "agent_grpo.api:evaluate")

@@ -29,6 +29,7 @@ def run_eval(
     result, _ = evaluate_heldout(
         backend, tokenizer, config.env, config.eval,
         max_context_tokens=config.rollout.max_context_tokens, seed=config.seed, stop=stop,
+        progress=False,
     )  # fmt: skip
     log.info("eval %s: success %.3f, pass@%d %.3f, tool calls %.2f", label,
              result.summary.success_rate, result.samples_per_task, result.pass_at_k,

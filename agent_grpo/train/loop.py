@@ -57,7 +57,8 @@ from agent_grpo.train.metrics import (
     logprob_mismatch,
     signal_metrics,
 )
-from agent_grpo.train.parallel import broadcast_object
+from agent_grpo.train.parallel import DistContext, broadcast_object
+from agent_grpo.train.progress import RunProgress
 from agent_grpo.train.rollout import collect
 from agent_grpo.train.step_log import DeadStepWatch, open_tensorboard, record_step
 from agent_grpo.train.trainer import (
@@ -123,13 +124,19 @@ def resolve_max_tokens(config: TrainConfig) -> int:
 
 
 def train_step(
-    config: TrainConfig, trainer: Trainer, step: int, max_tokens: int
+    config: TrainConfig,
+    trainer: Trainer,
+    step: int,
+    max_tokens: int,
+    progress: RunProgress | None = None,
 ) -> tuple[StepMetrics, list[TrajectoryRecord]]:
     """One GRPO step; returns its metrics and its (annotated) trajectory records."""
     algo, ctx, started = config.algo, trainer.ctx, time.perf_counter()
+    progress = progress or RunProgress.off()
     # 1-2. rollout and reward on rank 0 (the one process with an engine); every rank packs them
     rollout = None
     if trainer.backend is not None:
+        progress.phase(f"step {step}: rollout")
         rollout = collect(config, trainer.backend, trainer.tokenizer, trainer.stop, step)
     rollout = share_rollout(rollout, ctx)
     records = rollout.records
@@ -142,6 +149,7 @@ def train_step(
     # 4. pi_old (the trainer's, before any update) and pi_ref on the sampled tokens. With a
     #    single pass the loss's own forward pass is pi_old, so no extra pass is needed.
     temperature = records[0].sampling_temperature
+    progress.phase(f"step {step}: update")
     before = None
     if not algo.single_pass:
         before = batch_logprobs(trainer.policy, batch, temperature, algo, ctx)  # [B, T]
@@ -228,6 +236,19 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     max_tokens = resolve_max_tokens(config)
+    display = RunProgress(config.steps) if ctx.is_main else RunProgress.off()
+    with display as progress:
+        path = _train(config, resume, ctx, max_tokens, progress)
+    if ctx.distributed:  # rank 0 may still be evaluating: tear down together
+        dist.barrier()
+        dist.destroy_process_group()
+    return path
+
+
+def _train(
+    config: TrainConfig, resume: bool, ctx: DistContext, max_tokens: int, progress: RunProgress
+) -> Path:
+    """`train`'s body, inside the run's progress display."""
     run = open_run(config, resume) if ctx.is_main else None
     checkpoint = broadcast_object(run.latest_checkpoint() if run and resume else None, ctx)
     if run is not None and resume:  # exactly once: what ran after the checkpoint runs again
@@ -248,11 +269,14 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
     stop = env_stop_strings(config.env.id, config.env.kwargs)
     state = TrainerState(step=0)
     if checkpoint is None and backend is not None:  # a fresh run: base eval, warm start, eval
+        progress.phase("base eval")
         state.eval_before = run_eval(config, backend, tokenizer, stop, "base")
         if config.warm_start is not None:
+            progress.phase("warm start")
             losses = warm_start(config, policy, tokenizer, dtype)
             log.info("warm start: %d steps, nll %.3f -> %.3f", len(losses), losses[0], losses[-1])
             backend.update_weights(engine_copy(policy, backend))
+            progress.phase("warm start eval")
             state.eval_warm_start = run_eval(config, backend, tokenizer, stop, "warm start")
     reference = make_reference(run, policy, config, resume and checkpoint is not None)
     policy, reference = share_models(policy, reference, config, ctx)
@@ -272,23 +296,25 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
         save(run, trainer, state, keep)
     tensorboard = open_tensorboard(run, config) if run is not None else None
     saved_at, watch = time.monotonic(), DeadStepWatch()
+    progress.start_at(state.step)
     for step in range(state.step, config.steps):
-        metrics, records = train_step(config, trainer, step, max_tokens)
+        metrics, records = train_step(config, trainer, step, max_tokens, progress)
         if run is not None:
             record_step(run, config, metrics, records, tensorboard)
             watch.see(metrics)
         crash_point("after_step", step)  # crash tests: recorded, not checkpointed
         state.step = step + 1
+        progress.step()
         if broadcast_object(checkpoint_due(config, state.step, saved_at), ctx):
+            progress.phase(f"checkpoint after step {step}")
             save(run, trainer, state, keep)
             saved_at = time.monotonic()
     if run is not None and backend is not None:
+        progress.phase("final eval")
         after = run_eval(config, backend, tokenizer, stop, "final")
         if after is not None:
             run.write_metrics(config.steps, after.row())
+        progress.close()  # the table goes below, not under a live display
         print_summary(state, after)
         backend.close()
-    if ctx.distributed:  # rank 0 may still be evaluating: tear down together
-        dist.barrier()
-        dist.destroy_process_group()
     return run.path if run is not None else Path(config.run.root) / config.run.name

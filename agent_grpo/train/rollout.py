@@ -68,7 +68,8 @@ def collect(
     sampling = config.rollout.sampling.model_copy(
         update={"stop": config.rollout.sampling.stop or stop}
     )
-    collector = config.rollout.model_copy(update={"sampling": sampling})
+    # the run's own display (train/progress.py) shows the rollout phase: no second live bar
+    collector = config.rollout.model_copy(update={"sampling": sampling, "progress": False})
     result = _sample(config, backend, tokenizer, collector, step_tasks(config, step), step)
     if not config.algo.dynamic_sampling:
         return result
