@@ -73,6 +73,12 @@ FIRST_STEP_ATOL = 64 * torch.finfo(torch.float32).eps
 another order, about sqrt(100) * eps apart; 64 eps is a margin of 6x."""
 
 
+def source(name: str) -> str:
+    """The extra reward source's name in matrix row `name`."""
+    settings = " ".join(MATRIX[name])
+    return next(n for n in ("even", "nan", "dead") if f"name: {n}," in settings)
+
+
 def run_steps(tmp: Path, model_dir: Path, name: str, settings: list[str]) -> Path:
     """2 GRPO steps on Calculator-v0 (2 tasks x 2 samples), no eval, no warm start."""
     overrides = [f"model.name_or_path={model_dir}", f"run.root={tmp}", f"run.name={name}",
@@ -87,7 +93,8 @@ def rows(run: Path) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, lines) if "loss" in r]
 
 
-STEP_KEYS = set(StepMetrics.model_fields) - {"rollout", "signal", "mismatch", "update"}
+STEP_KEYS = set(StepMetrics.model_fields) - {"rollout", "signal", "mismatch", "update",
+                                             "reward_means"}  # fmt: skip
 
 
 def metric_names() -> set[str]:
@@ -105,7 +112,9 @@ def test_every_knob_combination_trains(tmp_path: Path, tiny_model_dir: Path, nam
     steps = rows(run)
     assert [r["step"] for r in steps] == [0, 1]
     for row in steps:
-        assert set(row) == metric_names(), set(row) ^ metric_names()
+        components = {k for k in row if k.startswith("rewards/")}
+        assert components == {"rewards/verifier/mean", f"rewards/{source(name)}/mean"}, row
+        assert set(row) - components == metric_names(), set(row) ^ metric_names()
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]), row
         assert row["skipped_steps"] == 0
     checkpoint = sorted((run / "checkpoints").iterdir())[-1]

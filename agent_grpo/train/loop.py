@@ -55,6 +55,7 @@ from agent_grpo.train.metrics import (
     counts_in_group,
     dead_group_mask,
     logprob_mismatch,
+    reward_means,
     signal_metrics,
 )
 from agent_grpo.train.parallel import DistContext, broadcast_object
@@ -180,6 +181,7 @@ def train_step(
         env_retries=rollout.metrics.env_retries,
         env_failures=rollout.metrics.env_failures,
         step_time_s=time.perf_counter() - started,
+        reward_means=reward_means(records),
     )
     return metrics, records
 

@@ -30,6 +30,7 @@ __all__ = [
     "counts_in_group",
     "dead_group_mask",
     "logprob_mismatch",
+    "reward_means",
     "signal_metrics",
 ]
 
@@ -323,6 +324,9 @@ class StepMetrics(BaseModel):
     """Env steps that failed again on the retry (those episodes are excluded as errors)."""
     step_time_s: float
     """Wall time of the whole step."""
+    reward_means: dict[str, float]
+    """Mean of each reward component before weighting (`verifier`, then each extra source by
+    name) over the counted episodes; written as `rewards/<name>/mean`, as TRL logs them."""
 
     def row(self) -> dict[str, float | int | None]:
         """The flat `metrics.jsonl` row: every field of every part under its own name."""
@@ -330,6 +334,18 @@ class StepMetrics(BaseModel):
         for name, value in self:
             if isinstance(value, BaseModel):
                 out.update(value.model_dump())
+            elif name == "reward_means":
+                out.update({f"rewards/{k}/mean": v for k, v in value.items()})
             else:
                 out[name] = value
         return out
+
+
+def reward_means(records: Sequence[TrajectoryRecord]) -> dict[str, float]:
+    """Mean of every reward component over the episodes that count (`counts_in_group`)."""
+    counted = [r for r in records if counts_in_group(r)]
+    names = dict.fromkeys(k for r in counted for k in r.reward_components)
+    return {
+        name: _mean([r.reward_components[name] for r in counted if name in r.reward_components])
+        for name in names
+    }
