@@ -86,12 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(with_replay=argv[:1] != ["model"]).parse_args(argv)
     from agent_grpo.models import CorruptModelError, ModelFetchError, ModelNotFoundError
+    from agent_grpo.store import RunDirWriteError
     from agent_grpo.tokens import ChatTemplateError
 
-    clear = (ConfigError, ModelNotFoundError, ModelFetchError, CorruptModelError, ChatTemplateError)
+    clear = (
+        ConfigError, ModelNotFoundError, ModelFetchError, CorruptModelError, ChatTemplateError,
+        RunDirWriteError,  # a full disk: the run directory stays readable and resumable
+    )  # fmt: skip
     try:
         return int(args.func(args))
-    except clear as error:  # the user's input is wrong: one line naming it, no traceback
+    except clear as error:  # the input or the disk is wrong: one line naming it, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
 

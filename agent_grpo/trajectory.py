@@ -241,6 +241,10 @@ class TrajectoryRecord(_Record):
     """Tool calls in this episode that failed to parse or validate."""
     group_member_ids: list[str] = Field(default_factory=list)
     """Ids (`{group_id}/{i}`) of every member of this record's group, this one included."""
+    content_hash: str | None = None
+    """sha256 (hex) of the record's canonical JSON without this field (`store.record_hash`), set
+    by the store when it writes the record; `replay --verify` recomputes it, so a changed token id
+    is caught even where the invariants still hold. None until written, and in older runs."""
 
     @property
     def uid(self) -> str:

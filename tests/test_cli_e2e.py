@@ -158,9 +158,12 @@ def test_replay_inspect_html_and_verify_on_the_trained_run(trained: Path) -> Non
     page = html.read_text()
     assert page.startswith("<!DOCTYPE html>") or "<html" in page[:200]
     assert "http://" not in page and "https://" not in page  # self-contained
-    verified = agent_grpo("replay", str(run), "--verify", cwd=trained)
-    lines = [line for line in verified.stdout.splitlines() if line.startswith("verify ")]
-    assert len(lines) == 4 and all(line.endswith(": ok") for line in lines)  # the last step
+    verified = agent_grpo("replay", str(run), "--verify", cwd=trained).stdout.splitlines()
+    lines = [line for line in verified if line.startswith("verify ")]
+    stored = sum(len(f.read_bytes().splitlines()) for f in (run / "trajectories").iterdir())
+    assert len(lines) == stored == 8 and all(line.endswith(": ok") for line in lines)  # all steps
+    counts = "diverged 0, corrupt 0, duplicated 0, unverifiable 0; incomplete groups 0"
+    assert verified[-1] == f"verified 8 records: ok 8, {counts}"
     checkpoint = sorted((run / "checkpoints").iterdir())[-1]
     drift = agent_grpo("replay", str(run), "--step", "1", "--group", "0", "--sample", "0",
                        "--recompute-logprobs", str(checkpoint), cwd=trained)  # fmt: skip

@@ -187,19 +187,26 @@ def test_verify_matches_real_env_and_reports_first_divergence() -> None:
 
 
 def test_cli_verify_uses_run_env_kwargs(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], wide: None
+    tokenizer: Any,
+    embedded_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    wide: None,
 ) -> None:
     env_id = "agent_grpo/Calculator-v0"
-    record = _expert_record(env_id, seed=5, digits=1)
-    config = f"model: {{name_or_path: x}}\nenv: {{id: {env_id}, kwargs: {{digits: 1}}}}\n"
+    expert = _expert_record(env_id, seed=5, digits=1)
+    texts = [m.content for m in expert.messages if m.role == "assistant"]
+    records = _collect(_ScriptedBackend(tokenizer, texts), tokenizer, {"digits": 1}, seed=5)
+    model = f"model: {{name_or_path: {embedded_model_dir}}}\n"
+    config = model + f"env: {{id: {env_id}, kwargs: {{digits: 1}}}}\n"
     run = RunDir.create(tmp_path, run_id="with-kwargs", config_text=config)
-    run.write_trajectories(0, [record])
+    run.write_trajectories(0, records)
     assert _cli(["replay", str(run.path), "--verify"]) == 0
-    assert "verify g0/0: ok" in capsys.readouterr().out
-    bare = RunDir.create(tmp_path, run_id="without", config_text="model: {name_or_path: x}\n")
-    bare.write_trajectories(0, [record])
+    assert "verify s0-t0/0: ok" in capsys.readouterr().out
+    bare = RunDir.create(tmp_path, run_id="without", config_text=model)
+    bare.write_trajectories(0, records)
     assert _cli(["replay", str(bare.path), "--verify"]) == 1
-    assert "DIVERGES at turn None (prompt)" in capsys.readouterr().out
+    assert "verify s0-t0/0: DIVERGES at turn None (prompt)" in capsys.readouterr().out
 
 
 class _ScriptedBackend:
@@ -224,7 +231,14 @@ class _ScriptedBackend:
         """Nothing to release."""
 
 
-def _collect(backend: Any, tokenizer: Any, **sampling: Any) -> list[TrajectoryRecord]:
+def _collect(
+    backend: Any,
+    tokenizer: Any,
+    env_kwargs: dict[str, Any] | None = None,
+    seed: int = 3,
+    **sampling: Any,
+) -> list[TrajectoryRecord]:
+    """One Calculator-v0 group of two, collected from `backend` (the records `train` stores)."""
     from agent_grpo.rollout.backend import SamplingConfig
     from agent_grpo.rollout.collector import Task, collect_groups
     from agent_grpo.rollout.config import RolloutConfig
@@ -232,18 +246,23 @@ def _collect(backend: Any, tokenizer: Any, **sampling: Any) -> list[TrajectoryRe
     config = RolloutConfig(
         group_size=2, max_context_tokens=600, sampling=SamplingConfig(**sampling), progress=False
     )
-    task = Task(env_id="agent_grpo/Calculator-v0", seed=3)
+    task = Task(env_id="agent_grpo/Calculator-v0", seed=seed, env_kwargs=env_kwargs or {})
     return collect_groups([task], backend, tokenizer, config).records
 
 
 def test_collected_records_round_trip_the_store_and_verify(
-    tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], wide: None
+    tokenizer: Any,
+    embedded_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    wide: None,
 ) -> None:
     expert = _expert_record("agent_grpo/Calculator-v0", seed=3)
     texts = [m.content for m in expert.messages if m.role == "assistant"]
     records = _collect(_ScriptedBackend(tokenizer, texts), tokenizer)
     assert [len(r.turns) for r in records] == [2, 2] and all(r.reward == 1.0 for r in records)
-    run = RunDir.create(tmp_path, run_id="r", config_text="model: {name_or_path: x}\n")
+    config = f"model: {{name_or_path: {embedded_model_dir}}}\n"
+    run = RunDir.create(tmp_path, run_id="r", config_text=config)
     run.write_trajectories(0, records)
     assert run.read_trajectories(0) == records
     assert _cli(["replay", str(run.path), "--verify"]) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_grpo.store import RunDir
+from agent_grpo import store
+from agent_grpo.store import RunDir, RunDirWriteError, record_hash
 from agent_grpo.trajectory import (
     Lengths,
     Message,
@@ -341,3 +343,145 @@ def test_export_parquet_roundtrip(tmp_path: Path) -> None:
     assert table[0]["token_ids"] == first.token_ids
     assert table[0]["sampler_logprobs"] == first.sampler_logprobs  # None stays None
     assert json.loads(table[0]["messages_json"])[0]["content"] == "What is 2+2?"
+
+
+# Content hashes and the scan `replay --verify` reads
+
+
+def test_written_records_carry_the_hash_of_their_stored_content(tmp_path: Path) -> None:
+    run = RunDir.create(tmp_path, run_id="r")
+    records = _group(0, "a", [1.0, 0.0])
+    run.write_trajectories(0, records)
+    lines = run.trajectory_file(0).read_bytes().splitlines()
+    for record, line in zip(records, lines, strict=True):
+        fields = json.loads(line)
+        assert fields["content_hash"] == record.content_hash == record_hash(fields)
+        assert len(record.content_hash) == 64
+    assert run.read_trajectories(0) == records  # the writer set the hash on the caller's copy
+    fields = json.loads(lines[0])
+    # The hash is of the content: key order and the hash field itself do not enter it...
+    assert record_hash(dict(reversed(fields.items()))) == record_hash(fields)
+    assert record_hash({**fields, "content_hash": "x"}) == record_hash(fields)
+    # ...every value does, however small the change.
+    flipped = [fields["token_ids"][0] + 1, *fields["token_ids"][1:]]
+    assert record_hash({**fields, "token_ids": flipped}) != record_hash(fields)
+    assert record_hash({**fields, "reward": 1.0000001}) != record_hash(fields)
+
+
+def test_scan_step_reports_each_bad_line_at_its_offset(tmp_path: Path) -> None:
+    run = RunDir.create(tmp_path, run_id="r")
+    run.write_trajectories(0, _group(0, "a", [1.0]))
+    path = run.trajectory_file(0)
+    good = path.read_bytes()
+    bad = [b'{"group_id": "a", "index_in', b"[1, 2]", b'{"group_id": "a"}']
+    path.write_bytes(good + b"\n".join(bad) + b"\n" + good + b'{"torn')
+    scanned = run.scan_step(0)
+    offsets = [0, len(good)]
+    for line in bad:
+        offsets.append(offsets[-1] + len(line) + 1)
+    offsets.append(offsets[-1] + len(good))
+    assert [s.offset for s in scanned] == offsets
+    assert [s.record is not None for s in scanned] == [True, False, False, False, True, False]
+    assert [s.hash_matches for s in scanned] == [True, None, None, None, True, None]
+    problems = [s.problem or "" for s in scanned]
+    assert problems[1].startswith("torn or invalid line: not JSON")
+    assert problems[2].startswith("not a valid record") and problems[3].startswith("not a valid")
+    assert problems[5] == "torn line: 6 bytes and no newline at the end of the file"
+    assert scanned[4].entry is not None and scanned[4].entry.offset == offsets[4]
+
+
+# A full disk (ENOSPC)
+
+
+def _disk_full_after(monkeypatch: pytest.MonkeyPatch, room: int) -> None:
+    """Make the store's writes fail with ENOSPC once `room` more bytes are written; the write
+    that crosses the limit writes what fits first, as a real short write on a full disk does."""
+    left = [room]
+    real = store._write_all
+
+    def write_all(fd: int, data: bytes) -> int:
+        if len(data) > left[0]:
+            os.write(fd, data[: left[0]])
+            left[0] = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        left[0] -= len(data)
+        return real(fd, data)
+
+    monkeypatch.setattr(store, "_write_all", write_all)
+
+
+def _files(run: RunDir) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in [run.trajectory_file(0), run.path / "index.jsonl"]}
+
+
+@pytest.mark.parametrize("where", ["records", "index"])
+def test_disk_full_mid_write_cuts_the_step_back_and_raises_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    run = RunDir.create(tmp_path, run_id="r")
+    run.write_trajectories(0, _group(0, "a", [1.0, 0.0]))
+    before = _files(run)
+    more = _group(0, "b", [1.0, 0.5, 0.0])
+    scratch = RunDir.create(tmp_path, run_id="scratch")
+    scratch.write_trajectories(0, more)
+    lines_size = scratch.trajectory_file(0).stat().st_size
+    # Full in the middle of the second record, or in the middle of the index entries.
+    room = lines_size // 2 if where == "records" else lines_size + 100
+    _disk_full_after(monkeypatch, room)
+    with pytest.raises(RunDirWriteError) as failed:
+        run.write_trajectories(0, more)
+    file = "step_000000.jsonl" if where == "records" else "index.jsonl"
+    message = str(failed.value)
+    assert file in message and "disk full (ENOSPC)" in message and "\n" not in message
+    assert failed.value.errno == errno.ENOSPC
+    assert _files(run) == before  # no partial line, no record without its index entry
+    monkeypatch.undo()  # space freed: the run goes on where it stood
+    run.write_trajectories(0, more)
+    uids = ["a/0", "a/1", "b/0", "b/1", "b/2"]
+    assert [r.uid for r in run.read_trajectories(0)] == uids
+    assert [r.uid for r in run.find(step=0)] == uids
+    assert all(s.problem is None and s.hash_matches for s in run.scan_step(0))
+
+
+def test_disk_full_on_a_new_step_leaves_no_step_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = RunDir.create(tmp_path, run_id="r")
+    run.write_trajectories(0, _group(0, "a", [1.0]))
+    _disk_full_after(monkeypatch, 100)
+    with pytest.raises(RunDirWriteError):
+        run.write_trajectories(1, _group(1, "b", [1.0]))
+    assert run.steps() == [0] and [e.uid for e in run.index()] == ["a/0"]
+
+
+def test_disk_full_in_metrics_leaves_them_readable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, warnings_log: pytest.LogCaptureFixture
+) -> None:
+    run = RunDir.create(tmp_path, run_id="r")
+    run.write_metrics(0, {"reward": 0.5})
+    _disk_full_after(monkeypatch, 5)
+    with pytest.raises(RunDirWriteError, match=r"metrics\.jsonl: disk full"):
+        run.write_metrics(1, {"reward": 0.75})
+    monkeypatch.undo()
+    run.write_metrics(1, {"reward": 0.75})
+    assert run.read_metrics() == [{"step": 0, "reward": 0.5}, {"step": 1, "reward": 0.75}]
+    assert not warnings_log.records  # no torn line was left to skip
+
+
+def test_cli_reports_a_full_disk_as_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agent_grpo import cli
+
+    run = RunDir.create(tmp_path, run_id="r")
+
+    def full_disk_command(args: object) -> int:
+        run.write_metrics(0, {"reward": 0.5})
+        return 0
+
+    _disk_full_after(monkeypatch, 0)
+    monkeypatch.setattr(cli, "_cmd_envs", full_disk_command)
+    assert cli.main(["envs"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot write ") and "metrics.jsonl: disk full (ENOSPC)" in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err

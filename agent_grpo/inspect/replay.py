@@ -8,10 +8,11 @@ minibatch). A token is flagged `clipped` when `|ratio - 1| > clip_eps`: engine a
 on it by more than the whole PPO clip range, so any importance weight or clipping computed against
 the sampler's logprobs is dominated by the mismatch, not by the policy update.
 
-`--verify` replays the environment from the record's seed with the recorded assistant texts and
-checks that it reproduces every observation and the reward; `--recompute-logprobs` scores the
-record's tokens with a checkpoint and reports how far those logprobs drift from the recorded ones
-(both implemented in `agent_grpo.inspect.curves`).
+`--verify` checks each record itself (torn lines, content hash, token invariants, duplicates,
+complete groups), then replays the environment from the record's seed with the recorded assistant
+texts and checks that it reproduces every observation and the reward (`agent_grpo.inspect.verify`);
+`--recompute-logprobs` scores the record's tokens with a checkpoint and reports how far those
+logprobs drift from the recorded ones (`agent_grpo.inspect.curves`).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ from agent_grpo.inspect.curves import (
     drift_table,
     logprob_drift,
     recompute_logprobs,
-    verify_record,
 )
-from agent_grpo.store import RecordFilter, RunDir
+from agent_grpo.inspect.verify import print_report, verify_lines
+from agent_grpo.store import RecordFilter, RunDir, StoredLine, select_entries
 from agent_grpo.trajectory import Provenance, TrajectoryRecord
 
 __all__ = [
@@ -347,7 +348,10 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--reward-max", type=float, help="only records with reward <= X")
     p.add_argument("--clip-eps", type=float, default=DEFAULT_CLIP_EPS, help="|ratio-1| flagged")
     p.add_argument("--html", type=Path, help="write a self-contained HTML page here instead")
-    p.add_argument("--verify", action="store_true", help="re-run the env and compare")
+    p.add_argument("--verify", action="store_true",
+                   help="check the records (every step unless --step: torn lines, content "
+                        "hashes, token invariants, duplicates, whole groups), re-run the env and "
+                        "compare; exit 1 on any problem")  # fmt: skip
     p.add_argument("--recompute-logprobs", type=Path, metavar="CHECKPOINT",
                    help="score the tokens with this checkpoint (an HF model dir, or a run's "
                         "checkpoints/step_N) and report the drift")  # fmt: skip
@@ -379,19 +383,24 @@ def _show(
             )
 
 
-def _verify(console: Console, records: list[TrajectoryRecord], run: RunDir) -> int:
-    make_env = run_env_factory(run)
-    failures = 0
-    for r in records:
-        found = verify_record(r, make_env)
-        failures += found is not None
-        verdict = "ok" if found is None else f"DIVERGES at turn {found.turn} ({found.what})"
-        # No markup: recorded text is full of brackets that rich would read as style tags.
-        console.print(f"verify {r.uid}: {verdict}", markup=False, highlight=False)
-        if found is not None:
-            detail = f"  expected: {found.expected!r}\n  got:      {found.got!r}"
-            console.print(detail, markup=False, highlight=False)
-    return 1 if failures else 0
+def _verify(console: Console, run: RunDir, args: argparse.Namespace) -> int:
+    """Scan the chosen steps' files (not the index: a changed line shifts its offsets), check
+    the lines --group/--sample/filters choose, print the report; 1 on any problem."""
+    steps = run.steps() if args.step is None else [args.step]
+    lines = [line for step in steps for line in run.scan_step(step)]
+    if not lines:
+        console.print("no records match")
+        return 1
+    entries = [line.entry for line in lines if line.entry is not None]
+    picked = select_entries(entries, None, args.group, args.sample, _record_filter(args))
+    keys = {(e.file, e.offset) for e in picked}
+
+    def chosen(line: StoredLine) -> bool:
+        return (line.file, line.offset) in keys
+
+    report = verify_lines(lines, load_run_tokenizer(run), run_env_factory(run), chosen)
+    print_report(console, report)
+    return 1 if report.failed else 0
 
 
 def _recompute(console: Console, records: list[TrajectoryRecord], checkpoint: Path) -> None:
@@ -405,9 +414,12 @@ def _recompute(console: Console, records: list[TrajectoryRecord], checkpoint: Pa
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    """Handler of `replay`: select records, then show, verify, rescore or write HTML."""
+    """Handler of `replay`: verify the run, or select records, then show, rescore or write
+    HTML."""
     run = RunDir.open(args.run)
     console = Console()
+    if args.verify:
+        return _verify(console, run, args)
     step = args.step
     if step is None and args.html is None:
         steps = run.steps()
@@ -425,8 +437,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
         console.print(f"wrote {args.html}")
     if args.recompute_logprobs is not None:
         _recompute(console, records, args.recompute_logprobs)
-    if args.verify:
-        return _verify(console, records, run)
     if args.html is None and args.recompute_logprobs is None:
         _show(console, records, args, run)
     return 0

@@ -1,0 +1,240 @@
+"""`replay --verify`: check each stored record itself, then re-run its environment.
+
+The lines of the chosen steps' trajectory files are read by scanning (`RunDir.scan_step`), never
+through the index, whose byte offsets a grown or shrunk line shifts. Each line gets one outcome,
+the first that applies:
+
+- corrupt: torn or unparsable (reported with its byte offset); or its content hash is not the
+  hash of its content; or it breaks a token invariant (`check_invariants`: lengths agree, the
+  provenance spans, sampler logprobs on model tokens only, each turn's tokens decode to its text);
+- duplicated: a later line of the same file with a uid already seen (the first copy is checked);
+- diverged: the environment, re-run from the seed with the recorded assistant texts, gives a
+  different prompt, observation, termination or reward (`verify_record`);
+- unverifiable: sound and reproducible, but written without a content hash (an older run), so a
+  changed token id that keeps the invariants would pass unseen;
+- ok.
+
+Every group with a checked record must also be complete: one readable line for each sample
+0..group_size-1. The report ends with the counts; a corrupt, duplicated or diverged record, or an
+incomplete group, makes the exit status 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from rich.console import Console
+
+from agent_grpo.inspect.curves import Divergence, verify_record
+from agent_grpo.invariants import check_invariants
+from agent_grpo.store import StoredLine
+from agent_grpo.trajectory import TrajectoryRecord
+
+__all__ = [
+    "Outcome",
+    "Verdict",
+    "VerifyReport",
+    "incomplete_groups",
+    "print_report",
+    "record_problems",
+    "verify_lines",
+]
+
+EnvFactory = Callable[[str], Any]
+
+
+class Outcome(StrEnum):
+    """What verify concluded about one line, worst first."""
+
+    CORRUPT = "corrupt"
+    DUPLICATED = "duplicated"
+    DIVERGED = "diverged"
+    UNVERIFIABLE = "unverifiable"
+    OK = "ok"
+
+
+FAILING = frozenset({Outcome.CORRUPT, Outcome.DUPLICATED, Outcome.DIVERGED})
+"""Outcomes that make `replay --verify` exit 1."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What verify found for one line of a trajectory file."""
+
+    line: StoredLine
+    """The line checked."""
+    outcome: Outcome
+    """The worst outcome that applies."""
+    problems: tuple[str, ...] = ()
+    """One message per problem found; empty when ok."""
+    divergence: Divergence | None = None
+    """The first difference of the re-run environment, if any."""
+
+    @property
+    def where(self) -> str:
+        """`{file} byte {offset}`: where the line lies."""
+        return f"{self.line.file} byte {self.line.offset}"
+
+
+@dataclass
+class VerifyReport:
+    """Every line's verdict, and the groups missing samples."""
+
+    verdicts: list[Verdict] = field(default_factory=list)
+    """One per line checked, in file order."""
+    incomplete: list[str] = field(default_factory=list)
+    """One message per incomplete group."""
+
+    def counts(self) -> dict[Outcome, int]:
+        """How many lines got each outcome."""
+        return {o: sum(v.outcome is o for v in self.verdicts) for o in Outcome}
+
+    @property
+    def failed(self) -> bool:
+        """Whether any line is corrupt, duplicated or diverged, or any group is incomplete."""
+        return bool(self.incomplete) or any(v.outcome in FAILING for v in self.verdicts)
+
+    def summary(self) -> str:
+        """The report's last line: the counts."""
+        n = self.counts()
+        return (
+            f"verified {len(self.verdicts)} records: ok {n[Outcome.OK]}, "
+            f"diverged {n[Outcome.DIVERGED]}, corrupt {n[Outcome.CORRUPT]}, "
+            f"duplicated {n[Outcome.DUPLICATED]}, unverifiable {n[Outcome.UNVERIFIABLE]}; "
+            f"incomplete groups {len(self.incomplete)}"
+        )
+
+
+def _short(digest: str | None) -> str:
+    return f"{digest[:16]}..." if digest else "-"
+
+
+def record_problems(line: StoredLine, tokenizer: Any) -> list[str]:
+    """What is wrong with a parsed record itself: its content hash, its token invariants."""
+    record = line.record
+    assert record is not None
+    problems = []
+    if line.hash_matches is False:
+        problems.append(
+            f"content hash mismatch: stored {_short(record.content_hash)}, content hashes to "
+            f"{_short(line.computed_hash)}: the record changed after it was written"
+        )
+    try:
+        check_invariants(record, tokenizer)
+    except Exception as error:  # a corrupted record can trip any check; it must not stop the rest
+        problems.append(f"token invariant broken: {error}")
+    return problems
+
+
+def _rerun(record: TrajectoryRecord, make_env: EnvFactory) -> Divergence | None:
+    try:
+        return verify_record(record, make_env)
+    except Exception as error:  # env construction or reset failing on a record's env id or seed
+        return Divergence(None, "error", "the env to reset", f"{type(error).__name__}: {error}")
+
+
+def _verdict(line: StoredLine, tokenizer: Any, make_env: EnvFactory) -> Verdict:
+    if line.record is None:
+        return Verdict(line, Outcome.CORRUPT, (line.problem or "unreadable",))
+    problems = tuple(record_problems(line, tokenizer))
+    divergence = _rerun(line.record, make_env)
+    if problems:
+        outcome = Outcome.CORRUPT
+    elif divergence is not None:
+        outcome = Outcome.DIVERGED
+    elif line.hash_matches is None:
+        outcome = Outcome.UNVERIFIABLE
+        problems = ("no content hash (written before records carried one): token ids unchecked",)
+    else:
+        outcome = Outcome.OK
+    return Verdict(line, outcome, problems, divergence)
+
+
+def _first_copies(lines: Sequence[StoredLine]) -> dict[tuple[str, int], StoredLine]:
+    """For each later copy of a uid in the same file, keyed (file, offset): its first copy."""
+    first: dict[tuple[str, str], StoredLine] = {}
+    copies = {}
+    for line in lines:
+        if line.record is None:
+            continue
+        key = (line.file, line.record.uid)
+        if key in first:
+            copies[(line.file, line.offset)] = first[key]
+        else:
+            first[key] = line
+    return copies
+
+
+def incomplete_groups(lines: Sequence[StoredLine], groups: set[tuple[str, str]]) -> list[str]:
+    """A message for each of `groups` ((file, group id)) without one readable line per sample."""
+    members: dict[tuple[str, str], list[TrajectoryRecord]] = {g: [] for g in groups}
+    for line in lines:
+        if line.record is not None and (line.file, line.record.group_id) in members:
+            members[(line.file, line.record.group_id)].append(line.record)
+    messages = []
+    for (file, group_id), records in sorted(members.items()):
+        size = max(r.group_size for r in records)
+        indices = sorted({r.index_in_group for r in records})
+        missing = sorted(set(range(size)) - set(indices))
+        extra = [i for i in indices if not 0 <= i < size]
+        if missing or extra:
+            beyond = f", outside 0..{size - 1}: {extra}" if extra else ""
+            messages.append(
+                f"group {group_id} in {file}: INCOMPLETE: samples {indices} of {size}, "
+                f"missing {missing}{beyond}"
+            )
+    return messages
+
+
+def verify_lines(
+    lines: Sequence[StoredLine],
+    tokenizer: Any,
+    make_env: EnvFactory,
+    chosen: Callable[[StoredLine], bool] = lambda line: True,
+) -> VerifyReport:
+    """Check every chosen line (and every unreadable one: its group is unknown) of `lines`."""
+    copies = _first_copies(lines)
+    report = VerifyReport()
+    groups = set()
+    for line in lines:
+        if line.record is not None and not chosen(line):
+            continue
+        first = copies.get((line.file, line.offset))
+        if first is not None:
+            problem = f"a second copy of the record at byte {first.offset}"
+            report.verdicts.append(Verdict(line, Outcome.DUPLICATED, (problem,)))
+            continue
+        report.verdicts.append(_verdict(line, tokenizer, make_env))
+        if line.record is not None:
+            groups.add((line.file, line.record.group_id))
+    report.incomplete = incomplete_groups(lines, groups)
+    return report
+
+
+def _verdict_lines(verdict: Verdict) -> list[str]:
+    record, found = verdict.line.record, verdict.divergence
+    if record is None:
+        head = f"verify {verdict.where}: CORRUPT"
+    elif verdict.outcome is Outcome.OK:
+        return [f"verify {record.uid}: ok"]
+    elif verdict.outcome is Outcome.DIVERGED and found is not None:
+        head = f"verify {record.uid}: DIVERGES at turn {found.turn} ({found.what})"
+    else:
+        head = f"verify {record.uid}: {verdict.outcome.value.upper()} at {verdict.where}"
+    out = [head, *(f"  {problem}" for problem in verdict.problems)]
+    if found is not None:
+        if verdict.outcome is not Outcome.DIVERGED:
+            out.append(f"  and the env diverges at turn {found.turn} ({found.what})")
+        out += [f"  expected: {found.expected!r}", f"  got:      {found.got!r}"]
+    return out
+
+
+def print_report(console: Console, report: VerifyReport) -> None:
+    """Each verdict (problems indented under it), each incomplete group, then the counts."""
+    lines = [text for v in report.verdicts for text in _verdict_lines(v)]
+    for text in [*lines, *(f"verify {m}" for m in report.incomplete), report.summary()]:
+        # No markup: recorded text is full of brackets that rich would read as style tags.
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
