@@ -1,12 +1,13 @@
 """torchrun target of `tests/test_distributed.py`: sharded GRPO steps on a saved case.
 
 Usage: `torchrun --nproc_per_node 2 tests/dist_worker.py CASE.pt MODEL_DIR OUT_DIR MODE...`
-where MODE is `ddp`, `fsdp` (the real `update.minibatch_update`), `ddp_dead` / `fsdp_dead` (a
-step where no rank has a trainable row), `fsdp_one_row` (the same on
-the first row alone, so rank 1 has no rows) or `naive` (DDP with the per-rank token mean, the
-mistake the test shows). Each mode starts from the saved model, takes `steps` optimizer steps over
-the case's global batch, and rank 0 writes `OUT_DIR/MODE.pt` with the full parameters, the metrics
-of every step, each rank's model-token count and whether the parameters were DTensor shards.
+where MODE is `ddp`, `fsdp` (the real `update.minibatch_update`), `ddp_dead` / `fsdp_dead` (a step
+where no rank has a trainable row), `ddp_seqmean` / `fsdp_sumnorm` (the other aggregations),
+`fsdp_one_row` (the same on the first row alone, so rank 1 has no rows) or `naive` (DDP with the
+per-rank token mean, the mistake the test shows). Each mode starts from the saved model, takes
+`steps` optimizer steps over the case's global batch, and rank 0 writes `OUT_DIR/MODE.pt` with the
+full parameters, the metrics of every step, each rank's model-token count and whether the
+parameters were DTensor shards.
 `score_ddp` and `score_fsdp` write the `update.batch_logprobs` of the case's batch under a
 `wrap_policy` and a `wrap_reference` module instead.
 
@@ -142,6 +143,10 @@ def first_row(case: dict[str, Any]) -> dict[str, Any]:
     return {**case, **tensors, "batch": case["batch"].select([0])}
 
 
+AGGREGATIONS = {"_seqmean": "seq-mean-token-mean", "_sumnorm": "seq-mean-token-sum-norm"}
+"""Mode suffixes that switch the case's aggregation."""
+
+
 def dead(case: dict[str, Any]) -> dict[str, Any]:
     """The case with every advantage 0 and beta 0: no rank has a trainable row."""
     batch = case["batch"]
@@ -155,6 +160,9 @@ def run_mode(case: dict[str, Any], model_dir: str, mode: str, ctx: DistContext) 
     """`case["steps"]` steps from the saved model in one mode; the full parameters at the end."""
     case = first_row(case) if mode == "fsdp_one_row" else case
     case = dead(case) if mode.endswith("_dead") else case
+    for suffix, aggregation in AGGREGATIONS.items():
+        if mode.endswith(suffix):
+            case = {**case, "algo": case["algo"].model_copy(update={"aggregation": aggregation})}
     policy = wrap_policy(load_model(model_dir), "fsdp" if "fsdp" in mode else "ddp", ctx)
     sharded = all(isinstance(p, DTensor) for p in policy.parameters())
     optimizer = torch.optim.SGD(policy.parameters(), lr=case["lr"])

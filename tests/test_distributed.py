@@ -257,8 +257,8 @@ def run_worker(case: dict[str, Any], model_dir: Path, tmp: Path, modes: list[str
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
 
-MODES = ["ddp", "fsdp", "fsdp_one_row", "ddp_dead", "fsdp_dead", "naive", "score_ddp",
-         "score_fsdp"]  # fmt: skip
+MODES = ["ddp", "fsdp", "fsdp_one_row", "ddp_dead", "fsdp_dead", "ddp_seqmean", "fsdp_sumnorm",
+         "naive", "score_ddp", "score_fsdp"]  # fmt: skip
 
 
 def rank_tokens(batch: PackedBatch) -> list[float]:
@@ -347,3 +347,18 @@ def test_a_step_without_any_trainable_row_keeps_the_weights(
         assert step["ratio_min"] == step["ratio_max"] == 1.0
         assert torch.isnan(step["seen"]).all()
     assert max_param_diff(got["params"], load_model(tiny_model_dir).state_dict()) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mode", "aggregation"),
+    [("ddp_seqmean", "seq-mean-token-mean"), ("fsdp_sumnorm", "seq-mean-token-sum-norm")],
+)
+def test_two_processes_take_the_plain_step_with_the_other_aggregations(
+    two_process_results, tiny_model_dir, mode, aggregation
+):
+    case = make_case(tiny_model_dir, aggregation=aggregation)
+    want = reference(case, tiny_model_dir)
+    got = two_process_results[mode]
+    assert_same_history(got["history"], want["history"], case["batch"], atol=METRIC_ATOL)
+    assert max_param_diff(got["params"], want["params"]) < PARAM_ATOL
