@@ -108,3 +108,38 @@ def test_old_checkpoints_are_pruned(tmp_path: Path, tiny_model_dir: Path) -> Non
     assert done.returncode == 0, done.stderr[-3000:]
     names = sorted(p.name for p in (tmp_path / "pruned" / "checkpoints").iterdir())
     assert names == ["step_000002", "step_000003"]
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import errno
+
+    from agent_grpo.store import RunDirWriteError
+    from agent_grpo.train import checkpoint
+    from agent_grpo.train.checkpoint import TrainerState, save_checkpoint
+
+    class Model:
+        """Writes its 'weights', or fails like a full disk."""
+
+        def __init__(self, full: bool) -> None:
+            self.full = full
+
+        def save_pretrained(self, path: Path) -> None:
+            path.mkdir(parents=True)
+            (path / "model.safetensors").write_bytes(b"w")
+            if self.full:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    tokenizer = type("T", (), {"save_pretrained": lambda self, path: None})()
+    folder = tmp_path / "checkpoints"
+    save_checkpoint(
+        folder / "step_000001", Model(False), tokenizer, optimizer, TrainerState(step=1)
+    )
+    with pytest.raises(RunDirWriteError, match=r"cannot write checkpoint .*step_000002"):
+        save_checkpoint(folder / "step_000002", Model(True), tokenizer, optimizer,
+                        TrainerState(step=2))  # fmt: skip
+    assert sorted(p.name for p in folder.iterdir()) == ["step_000001"]  # no half-written dir
+    assert RunDir(tmp_path).latest_checkpoint() == folder / "step_000001"
+    assert checkpoint.read_state(folder / "step_000001").step == 1

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from agent_grpo.evaluate import EvalResult
 from agent_grpo.faults import crash_point
+from agent_grpo.store import RunDirWriteError
 from agent_grpo.train.parallel import (
     broadcast_object,
     full_optimizer_state,
@@ -84,12 +85,19 @@ def save_checkpoint(
     crashes half way is never taken for the latest; the next save starts its temp dir over."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "model")
-    tokenizer.save_pretrained(tmp / "model")
-    torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / "trainer.pt")
-    crash_point("checkpoint", state.step)  # crash tests: weights written, state not yet
-    (tmp / "state.json").write_text(state.model_dump_json(indent=1))
-    _fsync_tree(tmp)
+    try:
+        model.save_pretrained(tmp / "model")
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / "trainer.pt")
+        crash_point("checkpoint", state.step)  # crash tests: weights written, state not yet
+        (tmp / "state.json").write_text(state.model_dump_json(indent=1))
+        _fsync_tree(tmp)
+    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)  # the half-written one must not fill the disk
+        raise RunDirWriteError(
+            f"cannot write checkpoint {path}: {error}; the previous checkpoint and every "
+            "recorded step are intact: free space, then resume the run"
+        ) from error
     if path.exists():  # the same step saved again: keep the old one until the new is in place
         old = path.with_name(path.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
