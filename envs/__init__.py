@@ -14,6 +14,7 @@ NAMESPACE = "agent_grpo"
 """Gymnasium namespace of every built-in environment."""
 BUILTIN_ENVS = {
     "Calculator-v0": "agent_grpo.envs.calculator:CalculatorEnv",
+    "Dataset-v0": "agent_grpo.envs.dataset:DatasetEnv",
     "PythonSandbox-v0": "agent_grpo.envs.python_sandbox:PythonSandboxEnv",
     "Search-v0": "agent_grpo.envs.search:SearchEnv",
     "WebApi-v0": "agent_grpo.envs.webapi:WebApiEnv",

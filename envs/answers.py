@@ -21,6 +21,7 @@ from agent_grpo.env import Verdict
 
 __all__ = [
     "ANSWER_FORMAT",
+    "MAX_NUMBER_CHARS",
     "exact_verdict",
     "extract_answer",
     "number_verdict",
@@ -32,6 +33,9 @@ ANSWER_FORMAT = "Answer: <answer>"
 """How every built-in env asks for the final answer."""
 TEXT_SLACK_WORDS = 3
 """Extra words a text answer may have around the expected words."""
+MAX_NUMBER_CHARS = 1000
+"""A longer number is no number (a wrong answer): no task expects one, and past 4,300 digits
+Python refuses to convert it (`ValueError`)."""
 
 _ANSWER = re.compile(r"answer\s*:", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -47,9 +51,12 @@ def extract_answer(text: str) -> str | None:
 
 
 def parse_number(text: str) -> Fraction | None:
-    """The first number in `text` (commas as thousands separators allowed), exactly; or None."""
+    """The first number in `text` (commas as thousands separators allowed), exactly; or None
+    (also for one longer than `MAX_NUMBER_CHARS`)."""
     match = _NUMBER.search(text)
-    return Fraction(match.group().replace(",", "")) if match else None
+    if match is None or len(match.group()) > MAX_NUMBER_CHARS:
+        return None
+    return Fraction(match.group().replace(",", ""))
 
 
 def number_verdict(text: str, expected: int | Fraction) -> Verdict:
