@@ -228,6 +228,10 @@ class TrajectoryRecord(_Record):
     """Whether the verifier judged the task solved."""
     advantage: float | None = None
     """Group-relative advantage (filled by the trainer)."""
+    policy_version: int = 0
+    """Optimizer steps the sampling weights had taken (0: the policy GRPO started from, after
+    the warm start); every member of a group has the same. The trainer's version minus this is
+    the record's staleness."""
     excluded: str | None = None
     """Why this episode was left out of its group's statistics and the loss (an infrastructure
     failure, a non-finite reward); None when it counted. Filled by the trainer."""

@@ -141,3 +141,83 @@ def test_ray_workers_match_local_collection_before_and_after_update(
             a.token_ids != b.token_ids for a, b in zip(after.records, before.records, strict=True)
         ]
         assert all(changed)
+
+
+@pytest.mark.slow
+def test_a_dead_worker_s_groups_go_to_another(ray_local: Any, tiny_model_dir: Path) -> None:
+    from agent_grpo.rollout.ray_pool import RayRolloutPool
+
+    with RayRolloutPool(2, str(tiny_model_dir), collector=COLLECTOR) as pool:
+        pending = pool.submit(TASKS, step=4, run_id="r")
+        ray_local.kill(pool.workers[1])  # mid-collection: its block [2] is lost with it
+        result = pool.wait(pending)
+        assert result.metrics.worker_failures == 1 and len(pool.workers) == 1
+        assert [r.group_id for r in result.records] == ["s4-t0"] * 2 + ["s4-t1"] * 2 + ["s4-t2"] * 2
+
+
+def train_tiny(root: Path, model_dir: Path, name: str, *settings: str) -> Path:
+    """2 GRPO steps of calculator-tiny in this process (Ray, when asked, joins `ray_local`)."""
+    from agent_grpo.config import load_config
+    from agent_grpo.train.config import TrainConfig
+    from agent_grpo.train.loop import train
+
+    rule = "rewards=[{type: rule, name: even, function: 'knob_rules:even_tokens'}]"
+    overrides = [f"model.name_or_path={model_dir}", f"run.root={root}", f"run.name={name}",
+                 "eval=null", "run.tensorboard=false", rule, *settings]  # fmt: skip
+    config_path = Path(__file__).resolve().parent.parent / "configs/calculator-tiny.yaml"
+    return train(load_config(TrainConfig, config_path, overrides))
+
+
+@pytest.mark.slow
+def test_synchronous_ray_training_is_the_local_run(
+    ray_local: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import json
+
+    from safetensors.torch import load_file
+    from test_cli_e2e import deterministic
+
+    from agent_grpo.store import RunDir
+
+    local = train_tiny(tmp_path, tiny_model_dir, "local")
+    remote = train_tiny(
+        tmp_path, tiny_model_dir, "ray", "rollout.workers={type: ray, num_workers: 2}"
+    )
+    for run in (local, remote):
+        assert RunDir.open(run).steps() == [0, 1]
+    for step in (0, 1):
+        a, b = (
+            RunDir.open(local).read_trajectories(step),
+            RunDir.open(remote).read_trajectories(step),
+        )
+        assert [(r.uid, r.token_ids, r.reward) for r in a] == [
+            (r.uid, r.token_ids, r.reward) for r in b
+        ]
+        assert {r.policy_version for r in b} == {step}
+    rows = [[deterministic(json.loads(x)) for x in (run / "metrics.jsonl").read_text().splitlines()]
+            for run in (local, remote)]  # fmt: skip
+    for got, want in zip(rows[1], rows[0], strict=True):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    weights = [load_file(sorted((r / "checkpoints").iterdir())[-1] / "model" / "model.safetensors")
+               for r in (local, remote)]  # fmt: skip
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(weights[1][name], tensor, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_asynchronous_training_stays_within_its_staleness(
+    ray_local: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import json
+
+    from agent_grpo.store import RunDir
+
+    run = train_tiny(tmp_path, tiny_model_dir, "async", "steps=3", "algo.max_staleness=1",
+                     "rollout.workers={type: ray, num_workers: 2}")  # fmt: skip
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert steps[0]["staleness/0"] == 4  # step 0 was sampled by the starting policy
+    for row in steps[1:]:  # later steps were sampled one version behind the trainer
+        assert row.get("staleness/1") == 4 and "staleness/2" not in row
+    for step in (1, 2):
+        assert {r.policy_version for r in RunDir.open(run).read_trajectories(step)} == {step - 1}

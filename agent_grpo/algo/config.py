@@ -66,6 +66,9 @@ class AlgoConfig(ConfigModel):
     """Oversample tasks until the batch has `tasks_per_step` groups with reward variance."""
     dynamic_sampling_max_rounds: int = Field(default=3, ge=1)
     """Most extra collection rounds per step for dynamic sampling."""
+    max_staleness: int = Field(default=0, ge=0)
+    """Asynchronous GRPO: workers sample up to this many policy versions ahead of the trainer
+    (0: synchronous). Needs `rollout.workers.type: ray`; a group older than this is dropped."""
 
     @property
     def advantage_scale(self) -> Literal["group", "none"]:

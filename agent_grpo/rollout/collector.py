@@ -98,6 +98,11 @@ class RolloutMetrics(BaseModel):
     """Env steps that raised or hung and were retried once on a fresh env instance."""
     env_failures: int = 0
     """Env steps that failed again on the retry (their episodes end as errors)."""
+    worker_failures: int = 0
+    """Rollout workers (Ray actors) that died during the collection; their groups were sent
+    to another worker."""
+    stale_dropped: int = 0
+    """Records dropped for being sampled more than `algo.max_staleness` versions ago."""
     reused_prefix_tokens: int = 0
     """Context tokens the backend served from its prefix cache instead of prefilling."""
 

@@ -15,9 +15,12 @@ from agent_grpo.rollout.backend import SamplingConfig
 __all__ = [
     "BackendConfig",
     "HFBackendConfig",
+    "LocalWorkers",
     "OpenAIBackendConfig",
+    "RayWorkers",
     "RolloutConfig",
     "VLLMBackendConfig",
+    "WorkersConfig",
 ]
 
 
@@ -65,11 +68,39 @@ BackendConfig = Annotated[
 ]
 
 
+class LocalWorkers(ConfigModel):
+    """Rollouts in the trainer's process, on its own engine (`backend`): no Ray needed."""
+
+    type: Literal["local"] = "local"
+    """Workers kind."""
+
+
+class RayWorkers(ConfigModel):
+    """Rollouts on Ray actors, each with its own engine (`backend`) and environments; whole
+    groups go to one worker. With `algo.max_staleness > 0` they sample ahead of the trainer."""
+
+    type: Literal["ray"] = "ray"
+    """Workers kind."""
+    num_workers: int = Field(default=2, ge=1)
+    """Rollout actors."""
+    address: str | None = None
+    """An existing Ray cluster (`auto`, or `ray://host:port`); None starts a local instance."""
+    num_cpus_per_worker: float = Field(default=1.0, gt=0)
+    """CPUs Ray reserves for each actor."""
+    num_gpus_per_worker: float = Field(default=0.0, ge=0)
+    """GPUs Ray reserves for each actor."""
+
+
+WorkersConfig = Annotated[LocalWorkers | RayWorkers, Field(discriminator="type")]
+
+
 class RolloutConfig(ConfigModel):
     """How groups are sampled each step."""
 
     backend: BackendConfig = HFBackendConfig()
     """Generation engine."""
+    workers: WorkersConfig = LocalWorkers()
+    """Where rollouts run: in the trainer's process (`local`) or on Ray actors (`ray`)."""
     tasks_per_step: int = Field(default=8, ge=1)
     """Distinct tasks (prompts) per step."""
     group_size: int = Field(default=8, ge=1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from agent_grpo.rollout.config import BackendConfig, HFBackendConfig, RolloutCon
 from agent_grpo.rollout.factory import build_backend
 from agent_grpo.trajectory import TrajectoryRecord
 
-__all__ = ["RayRolloutPool", "RolloutWorker", "merge_metrics", "split_tasks"]
+__all__ = ["PendingCollection", "RayRolloutPool", "RolloutWorker", "merge_metrics", "split_tasks"]
 
 
 def split_tasks(num_tasks: int, num_workers: int) -> list[range]:
@@ -82,6 +83,9 @@ def merge_metrics(parts: Sequence[RolloutMetrics], wall_time_s: float) -> Rollou
         truncated=sum(p.truncated for p in parts),
         errors=sum(p.errors for p in parts),
         reused_prefix_tokens=sum(p.reused_prefix_tokens for p in parts),
+        env_retries=sum(p.env_retries for p in parts),
+        env_failures=sum(p.env_failures for p in parts),
+        worker_failures=sum(p.worker_failures for p in parts),
     )
 
 
@@ -99,17 +103,29 @@ class RolloutWorker:
         self.model = load_model(model_path, dtype=getattr(torch, dtype))
         self.backend = build_backend(backend, self.model, self.tokenizer, model_path)
         self.collector = collector
+        self.version = 0
+        """The policy version of the weights this worker samples with (see `update_weights`)."""
 
     def collect(self, tasks: list[Task], step: int, run_id: str) -> RolloutResult:
-        """`collect_groups` over these tasks, numbered from 0 (the pool renumbers groups)."""
-        return collect_groups(
+        """`collect_groups` over these tasks, numbered from 0 (the pool renumbers groups); every
+        record is tagged with this worker's policy version. An actor runs one call at a time, so
+        a collection never straddles a weight update."""
+        result = collect_groups(
             tasks, self.backend, self.tokenizer, self.collector, step=step, run_id=run_id
         )
+        for record in result.records:
+            record.policy_version = self.version
+        return result
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int = 0) -> None:
         """Load new weights into the model, then hand them to the backend (drops its caches)."""
         self.model.load_state_dict(dict(state_dict))
         self.backend.update_weights(self.model)
+        self.version = version
+
+    def ping(self) -> bool:
+        """Alive (for tests and health checks)."""
+        return True
 
     def close(self) -> None:
         """Release the backend."""
@@ -122,6 +138,24 @@ def _import_ray() -> Any:
     except ImportError as error:
         raise ImportError("RayRolloutPool needs Ray: pip install 'agent-grpo[ray]'") from error
     return ray
+
+
+@dataclass
+class PendingCollection:
+    """A collection handed to the workers and not yet returned."""
+
+    tasks: list[Task]
+    """Every task of the collection, in order."""
+    step: int
+    """The step the groups are for."""
+    run_id: str
+    """Run id stamped on the records."""
+    blocks: list[range]
+    """The task indices each worker got."""
+    futures: list[Any]
+    """Ray object refs of each block's `RolloutResult`."""
+    started: float
+    """`time.perf_counter()` at submission."""
 
 
 class RayRolloutPool:
@@ -158,27 +192,70 @@ class RayRolloutPool:
 
     def collect(self, tasks: Sequence[Task], step: int = 0, run_id: str = "") -> RolloutResult:
         """Every task's group, collected across the workers; records in task order."""
-        started = time.perf_counter()
+        return self.wait(self.submit(tasks, step, run_id))
+
+    def submit(self, tasks: Sequence[Task], step: int = 0, run_id: str = "") -> PendingCollection:
+        """Start collecting; `wait` returns the result. Calls queue on each actor in order, so a
+        collection submitted before an `update_weights` samples with the older weights."""
         blocks = split_tasks(len(tasks), len(self.workers))
         futures = [
             worker.collect.remote([tasks[i] for i in block], step, run_id)
             for worker, block in zip(self.workers, blocks, strict=False)
         ]
-        results: list[RolloutResult] = self._ray.get(futures)
+        return PendingCollection(list(tasks), step, run_id, blocks, futures, time.perf_counter())
+
+    def wait(self, pending: PendingCollection) -> RolloutResult:
+        """The submitted collection's result. A block whose worker died (its actor killed, its
+        node gone) is sent again to a surviving worker; `metrics.worker_failures` counts it."""
+        results: list[RolloutResult] = []
+        failures = 0
+        for block, future in zip(pending.blocks, pending.futures, strict=True):
+            while True:
+                try:
+                    results.append(self._ray.get(future))
+                    break
+                except self._ray.exceptions.RayActorError:
+                    failures += 1
+                    future = self._resend(pending, block)
         records: list[TrajectoryRecord] = []
-        for block, result in zip(blocks, results, strict=True):
-            records += _renumber(result.records, step, block.start, self.collector.group_size)
-        metrics = merge_metrics([r.metrics for r in results], time.perf_counter() - started)
+        for block, result in zip(pending.blocks, results, strict=True):
+            records += _renumber(result.records, pending.step, block.start,
+                                 self.collector.group_size)  # fmt: skip
+        wall = time.perf_counter() - pending.started
+        metrics = merge_metrics([r.metrics for r in results], wall)
+        metrics.worker_failures = failures
         return RolloutResult(records=records, metrics=metrics)
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Send new weights to every worker (one object-store copy); returns once all loaded.
+    def _resend(self, pending: PendingCollection, block: range) -> Any:
+        """Drop dead workers and give `block` to a live one (the least recently handed one)."""
+        alive = []
+        for worker in self.workers:
+            try:
+                self._ray.get(worker.ping.remote(), timeout=60)
+                alive.append(worker)
+            except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
+                continue
+        if not alive:
+            raise RuntimeError("every rollout worker died")
+        self.workers = alive
+        worker = alive[block.start % len(alive)]
+        tasks = [pending.tasks[i] for i in block]
+        return worker.collect.remote(tasks, pending.step, pending.run_id)
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int = 0) -> None:
+        """Send new weights, tagged `version`, to every worker: one object-store copy that every
+        actor reads. Queued behind each actor's submitted collections; returns at once (a later
+        collection on that actor runs after the load).
 
         Pass `policy.state_dict()`, or `agent_grpo.train.parallel.full_state_dict` under FSDP2.
         """
         cpu = {k: v.detach().to("cpu") for k, v in state_dict.items()}
         shared = self._ray.put(cpu)
-        self._ray.get([worker.update_weights.remote(shared) for worker in self.workers])
+        self._pushes = [worker.update_weights.remote(shared, version) for worker in self.workers]
+
+    def sync(self) -> None:
+        """Wait until every worker has loaded the last `update_weights`."""
+        self._ray.get(getattr(self, "_pushes", []))
 
     def close(self) -> None:
         """Release every worker's backend and end the actors."""

@@ -166,6 +166,20 @@ class TrainConfig(ConfigModel):
         return self
 
     @model_validator(mode="after")
+    def _async_needs_workers(self) -> TrainConfig:
+        ray = self.rollout.workers.type == "ray"
+        if self.algo.max_staleness > 0 and not ray:
+            raise ValueError(
+                f"algo.max_staleness={self.algo.max_staleness} samples ahead of the trainer, "
+                "which needs rollout workers: set rollout.workers={type: ray}"
+            )
+        if ray and self.algo.dynamic_sampling:
+            raise ValueError("algo.dynamic_sampling with rollout.workers.type=ray is not built")
+        if ray and self.model.lora is not None:
+            raise ValueError("model.lora with rollout.workers.type=ray is not built")
+        return self
+
+    @model_validator(mode="after")
     def _lora_in_one_process(self) -> TrainConfig:
         if self.model.lora is not None and self.distributed.mode != "none":
             raise ValueError(

@@ -60,7 +60,6 @@ from agent_grpo.train.metrics import (
 )
 from agent_grpo.train.parallel import DistContext, broadcast_object
 from agent_grpo.train.progress import RunProgress
-from agent_grpo.train.rollout import collect
 from agent_grpo.train.step_log import DeadStepWatch, open_tensorboard, record_step
 from agent_grpo.train.trainer import (
     Trainer,
@@ -77,6 +76,7 @@ from agent_grpo.train.trainer import (
 )
 from agent_grpo.train.update import batch_logprobs, grpo_update
 from agent_grpo.train.warm_start import warm_start
+from agent_grpo.train.workers import build_rollouts, staleness
 from agent_grpo.trajectory import TrajectoryRecord
 
 __all__ = ["advantages_of", "resolve_max_tokens", "train", "train_step", "trainable_rows"]
@@ -136,9 +136,9 @@ def train_step(
     progress = progress or RunProgress.off()
     # 1-2. rollout and reward on rank 0 (the one process with an engine); every rank packs them
     rollout = None
-    if trainer.backend is not None:
+    if trainer.rollouts is not None:
         progress.phase(f"step {step}: rollout")
-        rollout = collect(config, trainer.backend, trainer.tokenizer, trainer.stop, step)
+        rollout = trainer.rollouts.collect(step, version=step)
     rollout = share_rollout(rollout, ctx)
     records = rollout.records
     # 3. advantage: within each group only
@@ -164,8 +164,8 @@ def train_step(
         seed=config.seed * 100_003 + step, ctx=ctx,
     )  # fmt: skip
     trainer_old = first_pass if before is None else before  # [B, T]
-    # 6. the engine gets the new weights
-    push_weights(trainer)
+    # 6. the engines get the new weights: policy version step + 1
+    push_weights(trainer, step + 1)
     # 7. what the step did
     _annotate(records, trainer_old, ref, batch)
     metrics = StepMetrics(
@@ -182,6 +182,9 @@ def train_step(
         env_failures=rollout.metrics.env_failures,
         step_time_s=time.perf_counter() - started,
         reward_means=reward_means(records),
+        staleness=staleness(rollout, step),
+        stale_dropped=rollout.metrics.stale_dropped,
+        worker_failures=rollout.metrics.worker_failures,
     )
     return metrics, records
 
@@ -286,14 +289,20 @@ def _train(
     optimizer = torch.optim.AdamW(
         trainable, lr=config.algo.lr, weight_decay=config.algo.weight_decay
     )
+    rollouts = None
+    if backend is not None and sampler is not None:
+        rollouts = build_rollouts(config, backend, tokenizer, stop, model_path)
     trainer = Trainer(
         policy=policy, reference=reference, optimizer=optimizer, tokenizer=tokenizer, stop=stop,
         backend=backend, sampler=sampler, ctx=ctx, mode=config.distributed.mode,
+        rollouts=rollouts,
     )  # fmt: skip
     keep = config.run.keep_checkpoints
     if checkpoint is not None:
         state = restore(checkpoint, trainer)
         log.info("resumed from %s at step %d", checkpoint, state.step)
+    if rollouts is not None and sampler is not None:  # the policy GRPO starts (or resumes) from
+        rollouts.push(sampler, state.step)
     else:  # base eval and warm start are done: a resume never repeats them
         save(run, trainer, state, keep)
     tensorboard = open_tensorboard(run, config) if run is not None else None
@@ -318,5 +327,8 @@ def _train(
             run.write_metrics(config.steps, after.row())
         progress.close()  # the table goes below, not under a live display
         print_summary(state, after)
+    if rollouts is not None:
+        rollouts.close()
+    if backend is not None:
         backend.close()
     return run.path if run is not None else Path(config.run.root) / config.run.name

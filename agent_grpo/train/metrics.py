@@ -327,6 +327,13 @@ class StepMetrics(BaseModel):
     reward_means: dict[str, float]
     """Mean of each reward component before weighting (`verifier`, then each extra source by
     name) over the counted episodes; written as `rewards/<name>/mean`, as TRL logs them."""
+    staleness: dict[int, int]
+    """Histogram {policy versions behind the trainer: records}; written as `staleness/<k>`
+    (all at 0 when synchronous)."""
+    stale_dropped: int
+    """Records dropped for being more than `algo.max_staleness` versions old."""
+    worker_failures: int
+    """Rollout workers that died during the step (their groups were sent to another)."""
 
     def row(self) -> dict[str, float | int | None]:
         """The flat `metrics.jsonl` row: every field of every part under its own name."""
@@ -336,6 +343,8 @@ class StepMetrics(BaseModel):
                 out.update(value.model_dump())
             elif name == "reward_means":
                 out.update({f"rewards/{k}/mean": v for k, v in value.items()})
+            elif name == "staleness":
+                out.update({f"staleness/{k}": v for k, v in value.items()})
             else:
                 out[name] = value
         return out

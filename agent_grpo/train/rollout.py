@@ -21,7 +21,14 @@ from agent_grpo.train.config import TrainConfig
 from agent_grpo.train.metrics import dead_group_mask
 from agent_grpo.trajectory import TrajectoryRecord
 
-__all__ = ["collect", "mark_excluded", "step_tasks", "top_up_live_groups"]
+__all__ = [
+    "collect",
+    "collector_config",
+    "mark_excluded",
+    "score",
+    "step_tasks",
+    "top_up_live_groups",
+]
 
 
 def step_tasks(config: TrainConfig, step: int, round_: int = 0) -> list[Task]:
@@ -55,9 +62,23 @@ def _sample(
     """Collect groups for `tasks`, score them with every reward source, mark exclusions."""
     result = collect_groups(tasks, backend, tokenizer, collector, step=step_id,
                             run_id=config.run.name)  # fmt: skip
+    return score(config, result)
+
+
+def score(config: TrainConfig, result: RolloutResult) -> RolloutResult:
+    """Score `result`'s records with every reward source and mark the exclusions (in place)."""
     apply_rewards(result.records, [(c, build_reward_fn(c)) for c in config.rewards])
     mark_excluded(result.records)
     return result
+
+
+def collector_config(config: TrainConfig, stop: list[str]) -> RolloutConfig:
+    """The rollout config the collector gets: the env's stop strings unless the config names
+    some, and no progress bar of its own (the run's display shows the rollout phase)."""
+    sampling = config.rollout.sampling.model_copy(
+        update={"stop": config.rollout.sampling.stop or stop}
+    )
+    return config.rollout.model_copy(update={"sampling": sampling, "progress": False})
 
 
 def collect(
@@ -65,11 +86,7 @@ def collect(
 ) -> RolloutResult:
     """Sample and reward this step's groups; with dynamic sampling, top up until groups carry
     signal."""
-    sampling = config.rollout.sampling.model_copy(
-        update={"stop": config.rollout.sampling.stop or stop}
-    )
-    # the run's own display (train/progress.py) shows the rollout phase: no second live bar
-    collector = config.rollout.model_copy(update={"sampling": sampling, "progress": False})
+    collector = collector_config(config, stop)
     result = _sample(config, backend, tokenizer, collector, step_tasks(config, step), step)
     if not config.algo.dynamic_sampling:
         return result

@@ -33,6 +33,7 @@ from agent_grpo.train.parallel import (
     wrap_policy,
     wrap_reference,
 )
+from agent_grpo.train.workers import RolloutSource
 
 __all__ = [
     "Trainer",
@@ -72,6 +73,8 @@ class Trainer:
     """Where this process sits and computes."""
     mode: WrapMode
     """`distributed.mode`: how the policy is split over ranks."""
+    rollouts: RolloutSource | None = None
+    """Where training rollouts come from (the engine above, or Ray workers); rank 0 only."""
 
 
 def compute_dtype(config: TrainConfig) -> torch.dtype:
@@ -185,11 +188,14 @@ def share_rollout(rollout: RolloutResult | None, ctx: DistContext) -> RolloutRes
     return shared
 
 
-def push_weights(trainer: Trainer) -> None:
-    """Give rank 0's engine the new weights; under FSDP2 every rank first helps gather them."""
+def push_weights(trainer: Trainer, version: int) -> None:
+    """Give rank 0's engines the weights of policy `version`; under FSDP2 every rank first helps
+    gather them."""
     if trainer.mode == "fsdp":
         state = full_state_dict(trainer.policy)  # the full weights on rank 0, {} elsewhere
         if trainer.sampler is not None:
             trainer.sampler.load_state_dict(state)
     if trainer.backend is not None and trainer.sampler is not None:
         trainer.backend.update_weights(engine_copy(trainer.sampler, trainer.backend))
+    if trainer.rollouts is not None and trainer.sampler is not None:
+        trainer.rollouts.push(trainer.sampler, version)
