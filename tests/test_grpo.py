@@ -335,3 +335,23 @@ def test_k3_as_a_loss_has_the_gradient_of_the_reverse_kl() -> None:
 
 def test_k1_as_a_loss_has_zero_expected_gradient() -> None:
     torch.testing.assert_close(_expected_loss_gradient("k1"), torch.zeros(5, dtype=torch.float64))
+
+
+def test_decoupled_ppo_loss_by_hand() -> None:
+    # Two model tokens, A = 1. Sampler mu, proximal pi_prox (trainer before the update), current
+    # pi_theta, as logprobs:
+    #   token 0: mu -1.0, prox -0.5, theta -0.5 + ln 1.5 -> w = min(e^0.5, 1.2) = 1.2 (capped),
+    #            rho = 1.5 -> clipped at 1.2 (A > 0): min(1.5, 1.2) * 1 = 1.2, l = -1.2 * 1.2
+    #   token 1: mu -0.6, prox -0.7, theta -0.7 + ln 0.9 -> w = e^-0.1, rho = 0.9 (inside the
+    #            clip): l = -e^-0.1 * 0.9
+    # token-mean over the 2 tokens.
+    mu = torch.tensor([[-1.0, -0.6]])
+    prox = torch.tensor([[-0.5, -0.7]])
+    theta = prox + torch.log(torch.tensor([[1.5, 0.9]]))
+    mask = torch.tensor([[True, True]])
+    weights = truncated_is_weights(prox, mu, mask, cap=1.2)
+    torch.testing.assert_close(weights, torch.tensor([[1.2, math.exp(-0.1)]]))
+    loss, metrics = policy_loss(theta, prox, torch.tensor([1.0]), mask, is_weights=weights)
+    want = (-1.2 * 1.2 - math.exp(-0.1) * 0.9) / 2
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+    assert metrics.clip_frac_high == 0.5  # token 0's ratio is past 1 + clip_high

@@ -32,6 +32,21 @@ Where we depart from the papers, and why:
 - `is_weights` applies truncated importance sampling (Yao et al., "Your efficient RL framework
   secretly brings you off-policy RL training") to the sampler/trainer logprob mismatch; the
   papers assume the two are identical.
+
+The off-policy objective (asynchronous GRPO, `algo.max_staleness > 0`; AReaL's decoupled PPO).
+A token y_t was sampled by the behaviour policy mu (the engine, `staleness` versions ago, with
+its own kernels); the trainer recomputes the proximal policy pi_prox (its current weights
+before this step's update: `old_logprobs: trainer`) and optimises pi_theta:
+
+    w_t   = min(exp(log pi_prox(y_t) - log mu(y_t)), tis_cap)       (detached)
+    rho_t = exp(log pi_theta(y_t) - log pi_prox(y_t))
+    l_t   = -w_t * min(rho_t * A, clip(rho_t, 1 - clip_low, 1 + clip_high) * A)
+            + beta * KL_t(pi_theta || pi_ref)
+
+The ratio is taken against pi_prox, not mu, so the clip bounds each update however stale the
+sample; w_t corrects for the sample having come from mu. Departures from AReaL: w_t is
+truncated at `tis_cap` (verl and TRL's TIS) instead of left unbounded, and the KL term is not
+reweighted. With `staleness = 0` and equal kernels, w_t = 1 and this is plain GRPO.
 """
 
 from __future__ import annotations
