@@ -62,18 +62,6 @@ def private_uid_range(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- the host, before and after -------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class HostState:
-    """What a sandboxed call must not change on the host."""
-
-    sentinels: dict[str, tuple[int, ...]]
-    """(mode, uid, gid[, mtime_ns, content hash]) per sentinel path."""
-    ipc_ids: frozenset[str]
-    """SysV shm, message queue and semaphore ids of the host's IPC namespace."""
-    shmem_kb: int
-    """Shmem from /proc/meminfo."""
-
-
 def _sentinel_state(path: Path, *, full: bool) -> tuple[int, ...]:
     """Mode and owner; with `full`, also mtime and content (or listing)."""
     st = path.lstat()
@@ -164,22 +152,13 @@ def host_unchanged(sentinel_dir: Path) -> Iterator[None]:
     """Every test: the host is as it was before, and nothing of the sandbox uids is left."""
     full = {sentinel_dir: True, sentinel_dir / "keep": True, Path("/tmp"): False, REPO: False}
     full[REPO / "README.md"] = True
-    before = HostState(
-        sentinels={str(p): _sentinel_state(p, full=f) for p, f in full.items()},
-        ipc_ids=frozenset(i for i, _ in _ipc_objects()),
-        shmem_kb=_shmem_kb(),
-    )
+    before = {str(p): _sentinel_state(p, full=f) for p, f in full.items()}
     yield
     assert _test_uid_processes() == []
     assert _test_uid_files() == []
     assert _test_uid_cgroups() == []
     assert [i for i, uid in _ipc_objects() if uid in TEST_UIDS] == []
-    assert {str(p): _sentinel_state(p, full=f) for p, f in full.items()} == before.sentinels
-    # An IPC namespace is freed shortly after its last process (a kernel work item).
-    deadline = time.monotonic() + 3.0
-    while _shmem_kb() > before.shmem_kb + 100_000 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _shmem_kb() <= before.shmem_kb + 100_000, "a sandbox's shared memory outlived it"
+    assert {str(p): _sentinel_state(p, full=f) for p, f in full.items()} == before
 
 
 def run_contained(code: str, limits: SandboxLimits = FAST, stdin: str = "") -> SandboxResult:
@@ -299,11 +278,18 @@ print(len(open('/proc/sysvipc/msg').read().splitlines()) - 1, 'queue')
 def test_sysv_shared_memory_and_queues_die_with_the_call() -> None:
     """Row 2: 3 x 300 MB of SysV shm and a message queue, never removed by the program."""
     shm_keys = {f"{0x5A4E5400 + i}" for i in range(3)}
+    shmem_before = _shmem_kb()
     result = run_contained(IPC_CODE, SandboxLimits(wall_time_s=10, memory_mb=1024), stdin="300\n")
     assert result.stdout == "0\n3 segments\n1 queue\n", result.stderr
     assert result.peak_memory_bytes is None or result.peak_memory_bytes > 900 << 20
     host_keys = {line.split()[0] for line in Path("/proc/sysvipc/shm").read_text().splitlines()}
-    assert not shm_keys & host_keys  # host_unchanged then checks Shmem went back down
+    assert not shm_keys & host_keys
+    # The call held 900 MB of Shmem. Its IPC namespace is freed shortly after its last process
+    # (a kernel work item); half of it is the margin for other jobs on a shared machine.
+    deadline = time.monotonic() + 3.0
+    while _shmem_kb() > shmem_before + 450_000 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _shmem_kb() <= shmem_before + 450_000, "the sandbox's shared memory outlived it"
 
 
 @needs_bwrap
@@ -336,27 +322,24 @@ CHILDREN = """
 import os, select, time
 count, size = map(int, input().split())
 r, w = os.pipe()
-children = []
-for _ in range(count):
+alive = set()
+for i in range(count):
     pid = os.fork()
     if pid == 0:
         block = bytearray(size << 20)
         for at in range(0, len(block), 4096):
             block[at] = 1
-        os.write(w, b"x")
+        os.write(w, bytes([i]))
         time.sleep(30)
         os._exit(0)
-    children.append(pid)
+    alive.add(pid)
 os.close(w)
-ready = 0
-deadline = time.monotonic() + 4
-while len(children) > 0 and time.monotonic() < deadline:
+pids, ready, deadline = sorted(alive), set(), time.monotonic() + 4
+while alive - ready and time.monotonic() < deadline:  # until each holds its block or is dead
     if select.select([r], [], [], 0.05)[0]:
-        ready += len(os.read(r, 8))
-    children = [p for p in children if os.waitpid(p, os.WNOHANG)[0] == 0]
-    if ready + (count - len(children)) == count:
-        break
-print(ready, f'holding {size} MB;', count - len(children), 'killed')
+        ready |= {pids[i] for i in os.read(r, 64)}
+    alive = {p for p in alive if os.waitpid(p, os.WNOHANG)[0] == 0}
+print(len(alive & ready), f'holding {size} MB;', count - len(alive), 'killed')
 """
 
 
@@ -366,7 +349,8 @@ def test_memory_cap_covers_the_whole_tree() -> None:
     """Row 4: 6 children each touching 400 MB; the cap is for all of them together."""
     result = run_contained(CHILDREN, SandboxLimits(wall_time_s=15), stdin="6 400\n")
     cap = (512 + 64) << 20  # memory_mb + disk_mb: files in the tmpfs are RAM too
-    assert result.memory_limit_hit and result.stdout == "1 holding 400 MB; 5 killed\n"
+    holding, *_, killed, _ = result.stdout.split()
+    assert result.memory_limit_hit and int(holding) <= 1 and int(killed) >= 5, result.stdout
     assert result.peak_memory_bytes is not None and result.peak_memory_bytes <= cap
 
 
