@@ -53,9 +53,12 @@ class FifoPool:
             while actor.alive and actor.queue and self.rng.random() < 0.5:
                 actor.run_one()
 
-    def submit(self, tasks: list[Task], step: int, run_id: str) -> Any:
+    def submit(
+        self, tasks: list[Task], step: int, run_id: str, workers: list[int] | None = None
+    ) -> Any:
         self._progress()
-        blocks = [(i % len(self.actors), i) for i in range(len(tasks))]
+        chosen = [w % len(self.actors) for w in workers] if workers else range(len(self.actors))
+        blocks = [(list(chosen)[i % len(chosen)], i) for i in range(len(tasks))]
         for worker, task in blocks:
             self.actors[worker].queue.append(("collect", (step, task)))
         if self.kill_at == step:  # the worker holding task 0 dies with its queue

@@ -194,13 +194,21 @@ class RayRolloutPool:
         """Every task's group, collected across the workers; records in task order."""
         return self.wait(self.submit(tasks, step, run_id))
 
-    def submit(self, tasks: Sequence[Task], step: int = 0, run_id: str = "") -> PendingCollection:
-        """Start collecting; `wait` returns the result. Calls queue on each actor in order, so a
-        collection submitted before an `update_weights` samples with the older weights."""
-        blocks = split_tasks(len(tasks), len(self.workers))
+    def submit(
+        self,
+        tasks: Sequence[Task],
+        step: int = 0,
+        run_id: str = "",
+        workers: Sequence[int] | None = None,
+    ) -> PendingCollection:
+        """Start collecting on `workers` (indices; default all); `wait` returns the result.
+        Calls queue on each actor in order, so a collection submitted before an
+        `update_weights` samples with the older weights."""
+        chosen = [self.workers[i % len(self.workers)] for i in workers or range(len(self.workers))]
+        blocks = split_tasks(len(tasks), len(chosen))
         futures = [
             worker.collect.remote([tasks[i] for i in block], step, run_id)
-            for worker, block in zip(self.workers, blocks, strict=False)
+            for worker, block in zip(chosen, blocks, strict=False)
         ]
         return PendingCollection(list(tasks), step, run_id, blocks, futures, time.perf_counter())
 

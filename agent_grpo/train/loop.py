@@ -140,6 +140,7 @@ def train_step(
         progress.phase(f"step {step}: rollout")
         rollout = trainer.rollouts.collect(step, version=step)
     rollout = share_rollout(rollout, ctx)
+    waited = time.perf_counter() - started
     records = rollout.records
     # 3. advantage: within each group only
     advantages = advantages_of(records, algo)  # [B]
@@ -181,6 +182,7 @@ def train_step(
         env_retries=rollout.metrics.env_retries,
         env_failures=rollout.metrics.env_failures,
         step_time_s=time.perf_counter() - started,
+        rollout_wait_s=waited,
         reward_means=reward_means(records),
         staleness=staleness(rollout, step),
         stale_dropped=rollout.metrics.stale_dropped,

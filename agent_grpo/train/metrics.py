@@ -324,6 +324,9 @@ class StepMetrics(BaseModel):
     """Env steps that failed again on the retry (those episodes are excluded as errors)."""
     step_time_s: float
     """Wall time of the whole step."""
+    rollout_wait_s: float
+    """Seconds the trainer waited for this step's rollouts (with asynchronous workers, what
+    sampling ahead did not hide; synchronous, the whole rollout)."""
     reward_means: dict[str, float]
     """Mean of each reward component before weighting (`verifier`, then each extra source by
     name) over the counted episodes; written as `rewards/<name>/mean`, as TRL logs them."""

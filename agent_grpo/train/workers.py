@@ -123,9 +123,13 @@ class RayRollouts:
         return cls(config, pool, started)
 
     def _submit_through(self, last: int) -> None:
+        """Submit every step up to `last`. Synchronous, a step is split over all workers;
+        asynchronous, whole steps go to the workers in turn, so the k steps in flight sample
+        at once on different actors (each actor runs one collection at a time)."""
         for step in range(self.submitted + 1, min(last, self.config.steps - 1) + 1):
+            workers = None if self.k == 0 else [step]
             self.pending[step] = self.pool.submit(step_tasks(self.config, step), step,
-                                                  self.config.run.name)  # fmt: skip
+                                                  self.config.run.name, workers)  # fmt: skip
             self.submitted = step
 
     def collect(self, step: int, version: int) -> RolloutResult:
