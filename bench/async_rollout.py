@@ -91,7 +91,7 @@ def run_mode(root: Path, model_dir: str, k: int, args: argparse.Namespace) -> di
                 hist[key.split("/")[1]] = hist.get(key.split("/")[1], 0) + n
     return {
         "trained_tokens_per_s": sum(r["trained_tokens"] for r in rows) / seconds,
-        "idle_fraction": sum(r["rollout_wait_s"] for r in rows) / seconds,
+        "idle_fraction": sum(r["rollout_wait_time_s"] for r in rows) / seconds,
         "step_s": seconds / len(rows),
         "staleness": hist,
         "wall_s": wall,

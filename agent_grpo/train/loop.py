@@ -182,7 +182,7 @@ def train_step(
         env_retries=rollout.metrics.env_retries,
         env_failures=rollout.metrics.env_failures,
         step_time_s=time.perf_counter() - started,
-        rollout_wait_s=waited,
+        rollout_wait_time_s=waited,
         reward_means=reward_means(records),
         staleness=staleness(rollout, step),
         stale_dropped=rollout.metrics.stale_dropped,

@@ -324,7 +324,7 @@ class StepMetrics(BaseModel):
     """Env steps that failed again on the retry (those episodes are excluded as errors)."""
     step_time_s: float
     """Wall time of the whole step."""
-    rollout_wait_s: float
+    rollout_wait_time_s: float
     """Seconds the trainer waited for this step's rollouts (with asynchronous workers, what
     sampling ahead did not hide; synchronous, the whole rollout)."""
     reward_means: dict[str, float]
