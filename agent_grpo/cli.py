@@ -37,6 +37,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config(args: argparse.Namespace) -> int:
+    from agent_grpo.config_schema import schema_markdown
+
+    print(schema_markdown(), end="")
+    return 0
+
+
 def _cmd_envs(args: argparse.Namespace) -> int:
     from agent_grpo.registry import list_envs
 
@@ -66,6 +73,12 @@ def build_parser(*, with_replay: bool = True) -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     _add_config_command(sub, "eval", "evaluate a model on held-out seeds", _cmd_eval)
     sub.add_parser("envs", help="list registered environments").set_defaults(func=_cmd_envs)
+    config = sub.add_parser("config", help="describe the config keys")
+    config.add_argument(
+        "--schema", action="store_true", required=True,
+        help="print every key with its type, default and docstring (docs/config.md)",
+    )  # fmt: skip
+    config.set_defaults(func=_cmd_config)
     if with_replay:  # rich/matplotlib-heavy; `model fetch` must not depend on it
         from agent_grpo.inspect.replay import add_inspect_parser, add_replay_parser
 

@@ -7,13 +7,15 @@ file and the dotted key that is wrong.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-__all__ = ["ConfigError", "ConfigModel", "apply_overrides", "load_config"]
+__all__ = ["ConfigError", "ConfigModel", "apply_overrides", "close_match", "load_config"]
 
 
 class ConfigModel(BaseModel):
@@ -32,6 +34,13 @@ C = TypeVar("C", bound=ConfigModel)
 
 class ConfigError(ValueError):
     """A config file or override that cannot be turned into a valid config."""
+
+
+def close_match(word: str, choices: Iterable[str], cutoff: float = 0.7) -> str | None:
+    """The choice `word` is most likely a typo of (case ignored), for "did you mean": or None."""
+    lowered = {c.lower(): c for c in choices}
+    found = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=cutoff)
+    return lowered[found[0]] if found else None
 
 
 def _parse_override_value(text: str) -> Any:
@@ -62,11 +71,14 @@ def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _describe(error: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}:"]
+    """One line naming `source` and each bad dotted key: the CLI prints it after `error:`."""
+    problems = []
     for err in error.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-        lines.append(f"  {loc}: {err['msg']}")
-    return "\n".join(lines)
+        loc = ".".join(str(p) for p in err["loc"])
+        # A model validator's message already names its keys; pydantic prefixes "Value error, ".
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        problems.append(f"{loc}: {msg}" if loc else msg)
+    return f"invalid config {source}: " + "; ".join(problems)
 
 
 def validate_config(cls: type[C], data: dict[str, Any], source: str = "<dict>") -> C:
@@ -77,6 +89,14 @@ def validate_config(cls: type[C], data: dict[str, Any], source: str = "<dict>") 
         raise ConfigError(_describe(error, source)) from None
 
 
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's multi-line message as one line: the problem and where it is."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or " ".join(str(error).split())
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"
+
+
 def load_config(cls: type[C], path: str | Path, overrides: list[str] | None = None) -> C:
     """Load a YAML file into `cls`, after applying `dotted.key=value` overrides."""
     path = Path(path)
@@ -85,7 +105,7 @@ def load_config(cls: type[C], path: str | Path, overrides: list[str] | None = No
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except yaml.YAMLError as error:
-        raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(error)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     return validate_config(cls, apply_overrides(raw, overrides or []), str(path))

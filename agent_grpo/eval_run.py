@@ -11,6 +11,7 @@ from rich.table import Table
 from agent_grpo.config import dump_config
 from agent_grpo.evaluate import env_stop_strings, evaluate_heldout
 from agent_grpo.models import load_model, load_tokenizer, resolve_model_path
+from agent_grpo.preflight import preflight_eval
 from agent_grpo.rollout.factory import build_backend
 from agent_grpo.store import RunDir
 from agent_grpo.train.config import EvalRunConfig
@@ -20,6 +21,7 @@ __all__ = ["run_eval_job"]
 
 def run_eval_job(config: EvalRunConfig) -> Path:
     """Evaluate, write metrics and trajectories, print a table; returns the run directory."""
+    preflight_eval(config)  # a config mistake is one line here, before any model or run dir
     path = resolve_model_path(config.model.name_or_path)
     tokenizer = load_tokenizer(path)
     model = load_model(path, dtype=getattr(torch, config.model.dtype)).eval()

@@ -45,6 +45,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from agent_grpo.config import close_match
 from agent_grpo.logs import get_logger
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "ModelNotFoundError",
     "agent_grpo_home",
     "build_tiny_model",
+    "check_model_source",
     "embedded_model_dir",
     "fetch_embedded_model",
     "load_model",
@@ -70,6 +72,8 @@ __all__ = [
 log = get_logger(__name__)
 
 COMPLETE_STAMP = ".complete"
+ADAPTER_CONFIG = "adapter_config.json"
+"""What peft writes into a LoRA adapter directory (a model directory has `config.json`)."""
 FETCH_HINT = "run `agent-grpo model fetch` (or `make model`)"
 REFETCH_HINT = "run `agent-grpo model fetch --force` to fetch and convert it again"
 
@@ -157,8 +161,47 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or name.count("/") > 1
 
 
+def _is_model_dir(path: Path) -> bool:
+    """Whether `path` looks like a model: a config, or a peft adapter's config (LoRA)."""
+    return (path / "config.json").is_file() or (path / ADAPTER_CONFIG).is_file()
+
+
+def _checkpoint_hint(local: Path) -> str | None:
+    """What to pass instead when `local` is a training checkpoint or a run directory: the model
+    lives in a checkpoint's `model/` subdirectory. None when `local` is neither."""
+    if _is_model_dir(local):
+        return None
+    if _is_model_dir(local / "model"):
+        return f"{local} is a training checkpoint, not a model: did you mean {local / 'model'}?"
+    if (local / "checkpoints").is_dir():
+        from agent_grpo.store import RunDir  # only here: loading a model never needs the store
+
+        latest = RunDir(local).latest_checkpoint()
+        if latest is not None:
+            return f"{local} is a run directory, not a model: did you mean {latest / 'model'}?"
+    return None
+
+
+def _missing_path_hint(local: Path) -> str:
+    """`did you mean <sibling>?` for a mistyped path whose parent exists, else ''."""
+    parent = local.parent
+    siblings = [p.name for p in parent.iterdir()] if parent.is_dir() else []
+    match = close_match(local.name, siblings, cutoff=0.8)
+    if match is None:
+        return ""
+    meant = parent / match
+    if _is_model_dir(meant / "model"):  # a checkpoint: the model is inside it
+        meant = meant / "model"
+    return f": did you mean {meant}?"
+
+
 def resolve_model_path(name_or_path: str) -> str:
-    """Map an embedded model name, local directory or hub id to what `from_pretrained` takes."""
+    """Map an embedded model name, local directory or hub id to what `from_pretrained` takes.
+
+    Raises ModelNotFoundError, before any download, for an embedded model that is not fetched,
+    a local path that does not exist, a checkpoint or run directory given instead of the model
+    inside it, and a bare name one typo away from an embedded model's (which the hub would
+    answer with a connection or not-found error)."""
     if name_or_path in EMBEDDED_MODELS:
         model_dir = embedded_model_dir(name_or_path)
         if not model_dir.is_dir():
@@ -175,9 +218,16 @@ def resolve_model_path(name_or_path: str) -> str:
         return str(model_dir)
     local = Path(name_or_path).expanduser()
     if local.exists():
+        hint = _checkpoint_hint(local) if local.is_dir() else None
+        if hint is not None:
+            raise ModelNotFoundError(hint)
         return str(local)
     if _looks_like_path(name_or_path):
-        raise ModelNotFoundError(f"model path {name_or_path} does not exist")
+        hint = _missing_path_hint(local)
+        raise ModelNotFoundError(f"model path {name_or_path} does not exist{hint}")
+    embedded = None if "/" in name_or_path else close_match(name_or_path, EMBEDDED_MODELS, 0.8)
+    if embedded is not None:  # `org/name` is meant for the hub; a bare near-miss is a typo
+        raise ModelNotFoundError(f"unknown model {name_or_path!r}: did you mean {embedded}?")
     return name_or_path
 
 
@@ -347,6 +397,39 @@ def _check_tokenizer_files(model_dir: Path) -> None:
     if not any((model_dir / n).is_file() for n in names):
         missing = model_dir / "tokenizer.json"
         raise ModelNotFoundError(f"{missing} is missing; {_fix_hint(model_dir)}")
+
+
+def check_model_source(name_or_path: str) -> None:
+    """Fail with ModelNotFoundError or CorruptModelError, without loading a weight, if
+    `name_or_path` cannot be loaded: `resolve_model_path`'s checks, then the files of a local
+    directory (safetensors headers included), or a hub id with no cached copy while the hub is
+    offline (`HF_HUB_OFFLINE`), which transformers would report as a connection error."""
+    source = resolve_model_path(name_or_path)
+    if Path(source).is_dir() and (Path(source) / ADAPTER_CONFIG).is_file():
+        _check_tokenizer_files(Path(source))  # a LoRA adapter: its base model must be there
+        config = json.loads((Path(source) / ADAPTER_CONFIG).read_text())
+        check_model_source(str(config.get("base_model_name_or_path", "")))
+        return
+    if Path(source).is_dir():
+        _check_model_files(Path(source))
+        _check_tokenizer_files(Path(source))
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(source)
+    except ValueError as error:  # HFValidationError: a path-like or malformed name
+        raise ModelNotFoundError(
+            f"model {source!r} is not an embedded model, a local directory or a hub id: {error}"
+        ) from None
+    if constants.HF_HUB_OFFLINE and not isinstance(
+        try_to_load_from_cache(source, "config.json"), str
+    ):
+        raise ModelNotFoundError(
+            f"model {source!r} is not a local directory or an embedded model, and the Hugging "
+            "Face hub is offline (HF_HUB_OFFLINE) with no cached copy of it"
+        )
 
 
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:

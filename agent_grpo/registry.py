@@ -16,11 +16,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
-from gymnasium.envs.registration import EnvSpec
+from gymnasium.envs.registration import EnvSpec, find_highest_version, get_env_id, parse_env_id
 
 from agent_grpo.logs import get_logger
 
-__all__ = ["ENTRY_POINT_GROUP", "EnvListing", "list_envs", "make_env", "register_envs"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "EnvListing",
+    "env_spec",
+    "list_envs",
+    "make_env",
+    "register_envs",
+]
 
 ENTRY_POINT_GROUP = "agent_grpo.envs"
 """Entry-point group scanned for environment plugins."""
@@ -79,6 +86,21 @@ def make_env(id_or_path: str, **kwargs: Any) -> gym.Env[Any, Any]:
     # The path is a valid gymnasium id (names may hold `.` and `:`), so the env gets a spec and
     # the same wrappers as a registered one, without polluting the global registry.
     return gym.make(EnvSpec(id=id_or_path, entry_point=id_or_path), **kwargs)
+
+
+def env_spec(id_or_path: str) -> EnvSpec:
+    """The spec `make_env(id_or_path)` builds from, found without importing or constructing
+    the environment; raises gymnasium's errors (`NameNotFound` says "Did you mean")."""
+    register_envs()
+    if id_or_path in gym.registry:
+        return gym.registry[id_or_path]
+    if _is_path(id_or_path):
+        return EnvSpec(id=id_or_path, entry_point=id_or_path)
+    namespace, name, version = parse_env_id(id_or_path)
+    latest = find_highest_version(namespace, name)
+    if version is None and latest is not None:  # what gym.make picks for an id without -vN
+        return gym.spec(get_env_id(namespace, name, latest))
+    return gym.spec(id_or_path)
 
 
 def list_envs() -> list[EnvListing]:

@@ -9,11 +9,14 @@ Where we depart from exact match: numbers compare by value (`1,234`, `1234.0` an
 and text answers compare by normalized words (case, punctuation and a leading `the` ignored), with
 a little slack: the expected words may sit inside a slightly longer answer ("the river Ousel" for
 "Ousel"), but not inside an answer that lists many candidates. `exact_verdict` is for answers
-where case and every character matter (a transformed string).
+where case and every character matter (a transformed string); `float_verdict` for answers with
+no exact value, which agree within a tolerance (`1.5e-3` and 0.0015; `3.1416` and pi with
+`rel_tol=1e-5`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
 
@@ -24,7 +27,9 @@ __all__ = [
     "MAX_NUMBER_CHARS",
     "exact_verdict",
     "extract_answer",
+    "float_verdict",
     "number_verdict",
+    "parse_float",
     "parse_number",
     "text_verdict",
 ]
@@ -39,6 +44,7 @@ Python refuses to convert it (`ValueError`)."""
 
 _ANSWER = re.compile(r"answer\s*:", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_FLOAT = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 _WORD = re.compile(r"[a-z0-9]+")
 
 
@@ -68,6 +74,29 @@ def number_verdict(text: str, expected: int | Fraction) -> Verdict:
     if value is None:
         return Verdict(success=False, expected=str(expected), given=answer, detail="no number")
     ok = value == expected
+    return Verdict(success=ok, expected=str(expected), given=answer, detail="" if ok else "wrong")
+
+
+def parse_float(text: str) -> float | None:
+    """The first number in `text` as a float (commas as thousands separators, and an exponent
+    as in `1.5e-3`, allowed); or None."""
+    match = _FLOAT.search(text)
+    return float(match.group().replace(",", "")) if match else None
+
+
+def float_verdict(
+    text: str, expected: float, *, rel_tol: float = 1e-6, abs_tol: float = 1e-9
+) -> Verdict:
+    """Success iff the answer line's first number is within tolerance of `expected`
+    (`math.isclose`: relative `rel_tol`, or absolute `abs_tol` for answers near zero), for
+    answers no exact value can be asked for (a root, a mean, a physical quantity)."""
+    answer = extract_answer(text)
+    if answer is None:
+        return Verdict(success=False, expected=str(expected), detail="no 'Answer:' line")
+    value = parse_float(answer)
+    if value is None:
+        return Verdict(success=False, expected=str(expected), given=answer, detail="no number")
+    ok = math.isclose(value, float(expected), rel_tol=rel_tol, abs_tol=abs_tol)
     return Verdict(success=ok, expected=str(expected), given=answer, detail="" if ok else "wrong")
 
 

@@ -1,0 +1,253 @@
+"""Checks a config must pass before any model work, so that a mistake is one line naming it
+(the CLI prints `error: ...` and exits 2) instead of a traceback minutes in, and no run
+directory is made for a run that cannot start.
+
+In order:
+- the model (`check_model_source`): "did you mean smollm2-135m-instruct?" for a mistyped
+  embedded name, a checkpoint or run directory given instead of the `model/` inside it, missing
+  or corrupt files, a hub id with no cached copy while the hub is offline;
+- the environment id, with gymnasium's "Did you mean", or ours across namespaces
+  (`Calculator-v0` -> `agent_grpo/Calculator-v0`), and its entry point;
+- `env.kwargs` against the constructor: an unknown or missing argument, with the names it takes;
+- that `reset` is deterministic: each env is reset twice with the same seed, and a second
+  instance once more. Every member of a group is a fresh env reset with the group's seed, so a
+  reset that varies gives each member a different task and the group baseline compares unrelated
+  episodes: GRPO still runs, and learns noise.
+
+Where we depart from gymnasium's `env_checker`: it checks spaces and API shapes on a constructed
+env; we check only what would silently break a GRPO run, and turn a config mistake into one line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.envs.registration import EnvSpec
+
+from agent_grpo.config import ConfigError, close_match
+from agent_grpo.env import HELDOUT_SEEDS, TRAIN_SEEDS
+from agent_grpo.models import check_model_source
+from agent_grpo.registry import env_spec, make_env
+from agent_grpo.train.config import EnvConfig, EvalRunConfig, TrainConfig
+
+__all__ = [
+    "CHECK_SEEDS",
+    "ConstructorArguments",
+    "PreflightError",
+    "check_env",
+    "check_reset_deterministic",
+    "constructor_arguments",
+    "kwargs_problem",
+    "preflight_eval",
+    "preflight_train",
+    "resolve_env",
+]
+
+CHECK_SEEDS = (TRAIN_SEEDS.start, HELDOUT_SEEDS.start)
+"""Task seeds the determinism check resets with: one training and one held-out seed."""
+
+
+class PreflightError(ConfigError):
+    """A config that validates but cannot run (a missing env, a bad constructor argument, a
+    non-deterministic reset), found before any model work."""
+
+
+def preflight_train(config: TrainConfig) -> None:
+    """Everything `agent-grpo train` can check before loading a model or making a run dir."""
+    check_model_source(config.model.name_or_path)
+    check_env(config.env)
+
+
+def preflight_eval(config: EvalRunConfig) -> None:
+    """Everything `agent-grpo eval` can check before loading a model or making a run dir."""
+    check_model_source(config.model.name_or_path)
+    check_env(config.env)
+
+
+def check_env(env: EnvConfig) -> None:
+    """The env id resolves, its constructor takes `env.kwargs`, and its reset is deterministic."""
+    spec, creator = resolve_env(env.id)
+    first = _construct(env, spec, creator)
+    try:
+        check_reset_deterministic(env, first)
+    finally:
+        first.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The id and the entry point
+
+
+def resolve_env(env_id: str) -> tuple[EnvSpec, Callable[..., Any]]:
+    """The spec `make_env(env_id)` uses and the callable it constructs the env with, imported
+    but not called; PreflightError naming the id if either cannot be found."""
+    try:
+        spec = env_spec(env_id)
+    except gym.error.Error as error:
+        raise PreflightError(f"env.id {env_id!r}: {_with_suggestion(str(error), env_id)}") from None
+    if spec.entry_point is None:
+        raise PreflightError(f"env.id {env_id!r} is registered without an entry point")
+    if callable(spec.entry_point):
+        return spec, spec.entry_point
+    return spec, _load_entry_point(env_id, spec.entry_point)
+
+
+def _with_suggestion(message: str, env_id: str) -> str:
+    """Gymnasium's message, plus a close registered id when it suggests none (it only looks
+    within the namespace typed, so `Calculator-v0` never finds `agent_grpo/Calculator-v0`)."""
+    if "did you mean" in message.lower():
+        return message
+    match = close_match(env_id, list(gym.registry), cutoff=0.6)
+    return f"{message} Did you mean `{match}`?" if match else message
+
+
+def _load_entry_point(env_id: str, entry_point: str) -> Callable[..., Any]:
+    """Import `module:attr`; PreflightError naming the id and the import that failed."""
+    module_name, _, attr = entry_point.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise PreflightError(f"env.id {env_id!r}: cannot import {module_name}: {error}") from None
+    if not hasattr(module, attr):
+        match = close_match(attr, [n for n in dir(module) if not n.startswith("_")])
+        hint = f": did you mean {module_name}:{match}?" if match else ""
+        raise PreflightError(f"env.id {env_id!r}: {module_name} has no {attr!r}{hint}")
+    creator: Callable[..., Any] = getattr(module, attr)
+    return creator
+
+
+# ---------------------------------------------------------------------------------------------
+# The constructor's arguments
+
+
+@dataclass(frozen=True)
+class ConstructorArguments:
+    """The keyword arguments an env constructor takes, read from its signature (and, through
+    `**kwargs`, from the `__init__` of each base class it forwards them to)."""
+
+    names: list[str]
+    """Every argument name it accepts, in signature order."""
+    required: list[str]
+    """Names without a default (of the constructor itself)."""
+    open_ended: bool
+    """Whether it takes any name (a `**kwargs` that reaches no closed signature)."""
+
+
+def _inits(creator: Callable[..., Any]) -> Iterator[tuple[Callable[..., Any], bool]]:
+    """`(function, is_method)` for the creator and, for a class, each `__init__` up its MRO."""
+    if not isinstance(creator, type):
+        yield creator, False
+        return
+    for klass in creator.__mro__:
+        if klass is not object and "__init__" in vars(klass):
+            yield vars(klass)["__init__"], True
+
+
+def constructor_arguments(creator: Callable[..., Any]) -> ConstructorArguments | None:
+    """What `creator` takes as keyword arguments; None when its signature cannot be read."""
+    names: list[str] = []
+    required: list[str] | None = None
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    for function, is_method in _inits(creator):
+        try:
+            params = list(inspect.signature(function).parameters.values())
+        except (TypeError, ValueError):
+            return None
+        params = params[1:] if is_method else params  # `self`
+        own = [p for p in params if p.kind in named]
+        names += [p.name for p in own if p.name not in names]
+        if required is None:
+            required = [p.name for p in own if p.default is inspect.Parameter.empty]
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return ConstructorArguments(names, required, open_ended=False)
+    # `**kwargs` all the way up: a plain function takes anything; object.__init__ takes nothing.
+    return ConstructorArguments(names, required or [], open_ended=not isinstance(creator, type))
+
+
+def kwargs_problem(creator: Callable[..., Any], kwargs: dict[str, Any]) -> str | None:
+    """Why `creator(**kwargs)` cannot bind, in words, or None if its signature allows it."""
+    args = constructor_arguments(creator)
+    if args is None:
+        return None
+    label = getattr(creator, "__qualname__", repr(creator))
+    unknown = [] if args.open_ended else [k for k in kwargs if k not in args.names]
+    if unknown:
+        match = close_match(unknown[0], args.names)
+        hint = f" (did you mean {match}?)" if match else ""
+        return f"{label} takes no argument {unknown[0]!r}{hint}; it takes: {', '.join(args.names)}"
+    missing = [n for n in args.required if n not in kwargs]
+    return f"{label} needs {', '.join(missing)}" if missing else None
+
+
+def _construct(env: EnvConfig, spec: EnvSpec, creator: Callable[..., Any]) -> gym.Env[Any, Any]:
+    """`make_env` as the run will call it; a constructor that refuses `env.kwargs` is one line.
+
+    The signature is only consulted once the constructor has failed, so a `**kwargs` the
+    signature walk misreads can never reject a config that works; a TypeError the signature
+    does not explain is a bug in the env and keeps its traceback."""
+    try:
+        return make_env(env.id, **env.kwargs)
+    except TypeError:
+        problem = kwargs_problem(creator, {**spec.kwargs, **env.kwargs})
+        if problem is None:
+            raise
+        raise PreflightError(f"env.kwargs of {spec.id}: {problem}") from None
+    except ValueError as error:  # the usual way a constructor refuses an argument's value
+        if not env.kwargs:
+            raise
+        message = " ".join(str(error).split())
+        raise PreflightError(f"env.kwargs {env.kwargs} of {spec.id}: {message}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic reset
+
+
+def check_reset_deterministic(env: EnvConfig, first: gym.Env[Any, Any]) -> None:
+    """Reset `first` twice and a second instance once with each of `CHECK_SEEDS`; PreflightError
+    naming the env if the observations differ."""
+    second = make_env(env.id, **env.kwargs)
+    try:
+        for seed in CHECK_SEEDS:
+            a, _ = first.reset(seed=seed)
+            b, _ = first.reset(seed=seed)
+            c, _ = second.reset(seed=seed)
+            for other, where in ((b, "the same env"), (c, "a second env")):
+                if not same_observation(a, other):
+                    raise PreflightError(_nondeterministic(env.id, seed, where, a, other))
+    finally:
+        second.close()
+
+
+def same_observation(a: Any, b: Any) -> bool:
+    """Exact equality of two observations (chat messages, arrays, or nests of them)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_observation(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(same_observation(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _nondeterministic(env_id: str, seed: int, where: str, a: Any, b: Any) -> str:
+    return (
+        f"env {env_id}: reset(seed={seed}) is not deterministic: {where} reset with the same "
+        f"seed gave {_difference(a, b)}, so each member of a group would get a different task. "
+        "Draw the task from the seed (np.random.default_rng(seed), or self.np_random after "
+        "super().reset(seed=seed))"
+    )
+
+
+def _difference(a: Any, b: Any, width: int = 30) -> str:
+    """Where two observations' reprs first differ: `...x... instead of ...y...`."""
+    ra, rb = repr(a), repr(b)
+    i = next((i for i, (x, y) in enumerate(zip(ra, rb, strict=False)) if x != y), len(ra))
+    start = max(0, i - width // 2)
+    return f"{rb[start : i + width]!r} instead of {ra[start : i + width]!r}"

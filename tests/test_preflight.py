@@ -1,0 +1,369 @@
+"""Validation before any model work: each config mistake is one line (`error: ...`, exit 2, no
+traceback) through the CLI, and leaves no run directory; the checks behind it, one by one."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent_grpo.config import ConfigError, load_config, validate_config
+from agent_grpo.envs import BUILTIN_ENVS
+from agent_grpo.envs.calculator import ArithmeticTask, CalculatorEnv
+from agent_grpo.models import ModelNotFoundError, check_model_source, resolve_model_path
+from agent_grpo.preflight import (
+    PreflightError,
+    check_env,
+    constructor_arguments,
+    kwargs_problem,
+    preflight_train,
+    resolve_env,
+    same_observation,
+)
+from agent_grpo.train.config import EnvConfig, TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "calculator-tiny.yaml"
+
+
+# ---------------------------------------------------------------------------------------------
+# Environments with a broken reset or constructor (also written out for the CLI's subprocess)
+
+ENV_MODULE = '''
+import random
+from agent_grpo.envs.calculator import ArithmeticTask, CalculatorEnv
+
+
+class GlobalRandomEnv(CalculatorEnv):
+    """Draws its task from the global `random`, not from the seed."""
+
+    def generate_task(self, rng):
+        a, b = random.randint(0, 10**6), random.randint(0, 10**6)
+        return ArithmeticTask(expression=f"{a} + {b}", answer=a + b)
+'''
+
+
+class GlobalRandomEnv(CalculatorEnv):
+    """Draws its task from the global `random`, not from the seed: every reset differs."""
+
+    def generate_task(self, rng: np.random.Generator) -> ArithmeticTask:
+        a, b = random.randint(0, 10**6), random.randint(0, 10**6)
+        return ArithmeticTask(expression=f"{a} + {b}", answer=a + b)
+
+
+class PerInstanceEnv(CalculatorEnv):
+    """Deterministic within one instance, but each instance adds its own offset: resetting
+    one env twice agrees, two group members do not."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.offset = random.randint(1, 10**6)
+
+    def generate_task(self, rng: np.random.Generator) -> ArithmeticTask:
+        a = int(rng.integers(100)) + self.offset
+        return ArithmeticTask(expression=f"{a} + 0", answer=a)
+
+
+class SwallowingEnv(CalculatorEnv):
+    """Takes `flavour` through `**kwargs` without naming it: no signature shows it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.flavour = kwargs.pop("flavour", "plain")
+        super().__init__(**kwargs)
+
+
+class BuggyEnv(CalculatorEnv):
+    """A constructor with a TypeError of its own, which no argument causes."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        len(3)  # type: ignore[arg-type]
+
+
+def needs_size(size: int, **kwargs: Any) -> CalculatorEnv:
+    """A function entry point that needs `size` and passes anything else on."""
+    return CalculatorEnv(num_ops=size, **kwargs)
+
+
+def here(name: str) -> str:
+    return f"{__name__}:{name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the CLI: each mistake is one line
+
+
+def agent_grpo(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`agent-grpo ARGS` in a fresh interpreter, with `preflight_envs` importable."""
+    (cwd / "preflight_envs.py").write_text(ENV_MODULE)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(cwd)}
+    return subprocess.run(
+        [sys.executable, "-m", "agent_grpo.cli", *args],
+        cwd=cwd, env=env, text=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+
+
+def fake_checkpoint(root: Path) -> Path:
+    """A checkpoint directory's shape: the model in `model/`, trainer state beside it."""
+    checkpoint = root / "checkpoints" / "step_000002"
+    (checkpoint / "model").mkdir(parents=True)
+    (checkpoint / "model" / "config.json").write_text("{}")
+    (checkpoint / "state.json").write_text(json.dumps({"step": 2}))
+    return checkpoint
+
+
+RESET = "env preflight_envs:GlobalRandomEnv: reset(seed=0) is not deterministic"
+MISTAKES = {
+    "env-id": (["env.id=agent_grpo/Calculater-v0"], "Did you mean: `Calculator`?"),
+    "env-kwargs": (["env.kwargs={max_turn: 3}"], "'max_turn' (did you mean max_turns?)"),
+    "model-name": (["model.name_or_path=smollm2-135m-instrct"], "did you mean smollm2-135m-in"),
+    "checkpoint": (["model.name_or_path={checkpoint}"], "did you mean {checkpoint}/model?"),
+    "reset": (["env.id=preflight_envs:GlobalRandomEnv"], RESET),
+    "steps": (["steps=-1"], "steps: Input should be greater than or equal to 0"),
+    "group-size": (["rollout.group_size=1"], "rollout.group_size=1: GRPO's advantage is relative"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_each_config_mistake_is_one_line_and_makes_no_run_dir(
+    mistake: str, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    overrides, expected = MISTAKES[mistake]
+    checkpoint = str(fake_checkpoint(tmp_path / "old-run"))
+    overrides = [o.replace("{checkpoint}", checkpoint) for o in overrides]
+    runs = tmp_path / "runs"
+    done = agent_grpo(
+        tmp_path, "train", str(TINY), f"model.name_or_path={tiny_model_dir}",
+        f"run.root={runs}", *overrides,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert expected.replace("{checkpoint}", checkpoint) in lines[0]
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not runs.exists()
+
+
+@pytest.mark.slow
+def test_eval_checks_before_loading_too(tmp_path: Path, tiny_model_dir: Path) -> None:
+    runs = tmp_path / "runs"
+    done = agent_grpo(
+        tmp_path, "eval", str(ROOT / "configs" / "eval-calculator.yaml"),
+        f"model.name_or_path={tiny_model_dir}", f"run.root={runs}", "env.kwargs={num_ops: 0}",
+    )  # fmt: skip
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("error: env.kwargs {'num_ops': 0} of agent_grpo/Calculator-v0:")
+    assert not runs.exists()
+
+
+def test_train_runs_the_preflight_before_making_a_run_dir(tmp_path: Path) -> None:
+    config = load_config(TrainConfig, TINY, [f"run.root={tmp_path / 'runs'}", "env.id=Calc-v0"])
+    from agent_grpo.train import train
+
+    with pytest.raises(PreflightError, match=r"env\.id 'Calc-v0'"):
+        train(config)
+    assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The environment id and entry point
+
+
+@pytest.mark.parametrize(
+    ("env_id", "message"),
+    [
+        ("agent_grpo/Calculater-v0", "in namespace agent_grpo. Did you mean: `Calculator`?"),
+        ("Calculator-v0", "Did you mean `agent_grpo/Calculator-v0`?"),  # not gymnasium's: ours
+        ("agent-grpo/Calculator-v0", "Did you mean: `agent_grpo`?"),
+        ("agent_grpo/Calculator-v7", "It provides versioned environments: [ `v0` ]"),
+        ("no_such_module:Env", "cannot import no_such_module: No module named 'no_such_module'"),
+        ("agent_grpo.envs.calculator:CalcEnv", "did you mean agent_grpo.envs.calculator:Calcu"),
+    ],
+)
+def test_a_bad_env_id_names_it_and_what_was_meant(env_id: str, message: str) -> None:
+    with pytest.raises(PreflightError) as info:
+        resolve_env(env_id)
+    assert str(info.value).startswith(f"env.id {env_id!r}: ") and message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_ids_make_env_accepts_resolve() -> None:
+    spec, creator = resolve_env("agent_grpo/Calculator")  # no version: gym.make takes the latest
+    assert spec.id == "agent_grpo/Calculator-v0" and creator is CalculatorEnv
+    assert resolve_env("agent_grpo.envs.calculator:CalculatorEnv")[1] is CalculatorEnv
+
+
+# ---------------------------------------------------------------------------------------------
+# Constructor arguments
+
+
+def test_arguments_are_read_through_kwargs_up_the_mro() -> None:
+    args = constructor_arguments(CalculatorEnv)
+    assert args is not None and not args.open_ended and args.required == []
+    assert args.names[:4] == ["num_ops", "digits", "mul_digits", "ops"]  # its own, then ToolEnv's
+    assert {"max_turns", "malformed_policy", "render_mode"} <= set(args.names)
+    assert kwargs_problem(CalculatorEnv, {"num_ops": 1, "max_turns": 2}) is None
+    problem = kwargs_problem(CalculatorEnv, {"max_turn": 2})
+    assert problem is not None and problem.startswith(
+        "CalculatorEnv takes no argument 'max_turn' (did you mean max_turns?); it takes: num_ops,"
+    )
+
+
+def test_a_function_entry_point_with_kwargs_takes_any_name_but_needs_its_own() -> None:
+    args = constructor_arguments(needs_size)
+    assert args is not None and args.open_ended and args.required == ["size"]
+    assert kwargs_problem(needs_size, {"size": 1, "anything": 2}) is None
+    assert kwargs_problem(needs_size, {"anything": 2}) == "needs_size needs size"
+
+
+def test_a_wrong_kwarg_is_one_line_naming_env_and_argument() -> None:
+    with pytest.raises(PreflightError) as info:
+        check_env(EnvConfig(id="agent_grpo/Calculator-v0", kwargs={"num_opps": 1}))
+    assert str(info.value).startswith(
+        "env.kwargs of agent_grpo/Calculator-v0: CalculatorEnv takes no argument 'num_opps' "
+        "(did you mean num_ops?)"
+    )
+    with pytest.raises(PreflightError, match=r"^env\.kwargs of .*: needs_size needs size$"):
+        check_env(EnvConfig(id=here("needs_size")))
+
+
+def test_a_rejected_value_is_one_line() -> None:
+    with pytest.raises(PreflightError, match=r"^env\.kwargs \{'digits': 0\} of agent_grpo/Calc"):
+        check_env(EnvConfig(id="agent_grpo/Calculator-v0", kwargs={"digits": 0}))
+
+
+def test_an_argument_no_signature_shows_is_never_refused() -> None:
+    check_env(EnvConfig(id=here("SwallowingEnv"), kwargs={"flavour": "spicy"}))
+
+
+def test_a_type_error_of_the_env_itself_keeps_its_traceback() -> None:
+    with pytest.raises(TypeError, match="has no len") as info:
+        check_env(EnvConfig(id=here("BuggyEnv")))
+    assert not isinstance(info.value, PreflightError)
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic reset
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_ENVS))
+def test_builtin_envs_pass(name: str) -> None:
+    check_env(EnvConfig(id=f"agent_grpo/{name}"))
+
+
+@pytest.mark.parametrize(
+    ("cls", "where"), [("GlobalRandomEnv", "the same env"), ("PerInstanceEnv", "a second env")]
+)
+def test_a_nondeterministic_reset_stops_the_run_with_the_env_name(cls: str, where: str) -> None:
+    with pytest.raises(PreflightError) as info:
+        check_env(EnvConfig(id=here(cls)))
+    message = str(info.value)
+    assert message.startswith(f"env {here(cls)}: reset(seed=0) is not deterministic: {where}")
+    assert "each member of a group would get a different task" in message
+    assert " + " in message and "\n" not in message  # shows where the prompts differ
+
+
+def test_same_observation_compares_nested_values() -> None:
+    a = {"x": np.arange(3), "m": [{"role": "user", "content": "hi"}]}
+    assert same_observation(a, {"x": np.arange(3), "m": [{"role": "user", "content": "hi"}]})
+    assert not same_observation(a, {"x": np.arange(1, 4), "m": a["m"]})
+    assert not same_observation(a, {"x": a["x"], "m": [{"role": "user", "content": "ho"}]})
+    assert not same_observation([1, 2], [1, 2, 3])
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+def test_a_near_miss_of_an_embedded_name_says_which() -> None:
+    for typo in ("smollm2-135m-instrct", "SmolLM2-135M-Instruct", "smollm2-135m-instruct "):
+        with pytest.raises(ModelNotFoundError, match="did you mean smollm2-135m-instruct"):
+            resolve_model_path(typo)
+    assert resolve_model_path("gpt2") == "gpt2"  # a bare hub id far from ours goes to the hub
+    assert resolve_model_path("org/smollm2-135m-instrct") == "org/smollm2-135m-instrct"
+
+
+def test_a_checkpoint_or_run_dir_points_at_its_model(tmp_path: Path) -> None:
+    checkpoint = fake_checkpoint(tmp_path / "run")
+    with pytest.raises(ModelNotFoundError, match="is a training checkpoint") as info:
+        resolve_model_path(str(checkpoint))
+    assert str(info.value).endswith(f"did you mean {checkpoint / 'model'}?")
+    with pytest.raises(ModelNotFoundError, match="is a run directory") as info:
+        resolve_model_path(str(tmp_path / "run"))
+    assert str(info.value).endswith(f"did you mean {checkpoint / 'model'}?")
+    assert resolve_model_path(str(checkpoint / "model")) == str(checkpoint / "model")
+
+
+def test_a_mistyped_path_suggests_its_sibling(tmp_path: Path) -> None:
+    checkpoint = fake_checkpoint(tmp_path)
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model_path(str(checkpoint.parent / "step_00002"))
+    assert str(info.value).endswith(f"does not exist: did you mean {checkpoint / 'model'}?")
+    with pytest.raises(ModelNotFoundError, match=r"does not exist$"):
+        resolve_model_path(str(tmp_path / "elsewhere" / "model"))
+
+
+def test_model_files_are_checked_without_loading(tmp_path: Path, tiny_model_dir: Path) -> None:
+    check_model_source(str(tiny_model_dir))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFoundError, match=r"no \*\.safetensors weights"):
+        check_model_source(str(tmp_path))
+
+
+def test_a_lora_adapter_is_checked_through_its_base(tmp_path: Path, tiny_model_dir: Path) -> None:
+    adapter = tmp_path / "run" / "checkpoints" / "step_000001" / "model"
+    adapter.mkdir(parents=True)
+    (adapter / "tokenizer.json").write_text("{}")
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": str(tiny_model_dir)})
+    )
+    check_model_source(str(adapter))
+    with pytest.raises(ModelNotFoundError, match="is a training checkpoint"):
+        check_model_source(str(adapter.parent))
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": str(tmp_path / "gone")})
+    )
+    with pytest.raises(ModelNotFoundError, match="gone does not exist"):
+        check_model_source(str(adapter))
+
+
+def test_an_uncached_hub_id_offline_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelNotFoundError, match=r"hub is offline \(HF_HUB_OFFLINE\)"):
+        check_model_source("some-org/no-such-model")
+    with pytest.raises(ModelNotFoundError, match="not an embedded model, a local directory or"):
+        check_model_source("not a model")
+
+
+def test_preflight_train_checks_the_model_first(tmp_path: Path) -> None:
+    config = TrainConfig.model_validate(
+        {"model": {"name_or_path": str(tmp_path / "nope")}, "env": {"id": "Nope-v0"}}
+    )
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        preflight_train(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config errors are one line
+
+
+def test_several_bad_keys_are_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_config(TrainConfig, {"steps": -1, "algo": {"clip_hihg": 1}}, "x.yaml")
+    assert str(info.value) == (
+        "invalid config x.yaml: steps: Input should be greater than or equal to 0; "
+        "algo.clip_hihg: Extra inputs are not permitted"
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1\nb: 2\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML: .* at line 2, column 2$") as info:
+        load_config(TrainConfig, bad)
+    assert "\n" not in str(info.value)
