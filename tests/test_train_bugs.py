@@ -229,3 +229,28 @@ def test_a_chat_template_that_fails_to_render_stops_the_rollout(tokenizer) -> No
     tasks = [Task(env_id="agent_grpo/Calculator-v0", seed=1)]
     with pytest.raises(ChatTemplateError, match="no tool role"):
         collect_groups(tasks, backend, broken, config)
+
+
+# 7. rewards reach the advantage in float64
+
+
+def test_large_close_rewards_are_not_rounded_before_the_advantage() -> None:
+    # In float32, 1000.0001 / .0002 / .0003 are 1000.00006 / 1000.00018 / 1000.0003, which the
+    # std division turns into [-0.86, -0.22, 1.08] instead of [-1, 0, 1] (times
+    # std / (std + eps) = 1e-4 / (1e-4 + 1e-6): the default eps of 1e-6 is 1% of this std).
+    records = [record("a", i, r) for i, r in enumerate([1000.0001, 1000.0002, 1000.0003])]
+    got = advantages_of(records, AlgoConfig()).tolist()
+    shrink = 1e-4 / (1e-4 + 1e-6)
+    assert got == pytest.approx([-shrink, 0.0, shrink], abs=1e-4)
+
+
+# 10. leave_one_out alone is RLOO as published
+
+
+def test_leave_one_out_alone_is_unscaled_rloo() -> None:
+    # r = [3, 0, 0]: r_i - mean(others) = [3 - 0, 0 - 1.5, 0 - 1.5]; no std division
+    records = [record("a", i, r) for i, r in enumerate([3.0, 0.0, 0.0])]
+    got = advantages_of(records, AlgoConfig(leave_one_out=True)).tolist()
+    assert got == pytest.approx([3.0, -1.5, -1.5])
+    scaled = advantages_of(records, AlgoConfig(leave_one_out=True, scale="group")).tolist()
+    assert scaled == pytest.approx([3.0 / 3**0.5, -1.5 / 3**0.5, -1.5 / 3**0.5], rel=1e-5)
