@@ -125,7 +125,8 @@ def test_render_group_side_by_side() -> None:
     lines = [line for line in out.splitlines() if "terminated" in line]
     assert [line.split("│")[1].strip() for line in lines] == ["0", "1", "2", "3"]
     assert "+1.0000" in lines[0] and "-1.0000" in lines[1]
-    assert "reward mean 0.5000 std 0.5000" in out
+    # The std the advantages divided by: unbiased over the group, sqrt(4 * 0.25 / 3)
+    assert "advantage = (r - mean) / std over 4 of 4 counted: mean 0.5000 std 0.5774" in out
 
 
 # --verify against the real registered environment
@@ -439,7 +440,7 @@ def test_inspect_table_and_png(
         ["1", "0.75", "-", "-", "0.0123", "-", "0.0042"],
     ]
     width, height = _png_size(run.path / "curves.png")
-    assert (width, height) == (960, 480)  # 12x6 inches at 80 dpi
+    assert (width, height) == (1280, 480)  # 16x6 inches at 80 dpi
 
 
 def test_metrics_table_skips_nonfinite_and_missing() -> None:

@@ -3,7 +3,11 @@
 `inspect RUN` reads only `metrics.jsonl`, so inspecting a long run reads kilobytes, never the
 trajectories. Metric names are matched against a short list of accepted keys per column (the
 first key present wins); a column whose keys are all missing at a step shows '-'. The first key
-of each column is the canonical name the trainer should log.
+of each column is the canonical name the trainer should log. Each reward component's mean
+(`rewards/<name>/mean`, as TRL logs them) gets a column, and a last column flags what a mean
+hides (`agent_grpo.inspect.flags`: dead groups, env/verifier errors, malformed calls,
+truncation). `curves.png` draws them over integer step ticks, the held-out eval's success beside
+the training success.
 
 The record checks back `replay --verify` and `replay --recompute-logprobs`: `verify_record`
 re-runs the environment from the record's seed with its assistant texts and reports the first
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,22 +31,27 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from agent_grpo.inspect.flags import row_flags
 from agent_grpo.store import RunDir
 from agent_grpo.trajectory import TrajectoryRecord
 
 __all__ = [
     "COLUMNS",
     "PLOTS",
+    "Curve",
     "Divergence",
     "TurnDrift",
     "add_inspect_parser",
+    "curves_figure",
     "drift_table",
     "inspect_run",
     "logprob_drift",
     "metric",
     "metrics_table",
+    "panel_curves",
     "plot_curves",
     "recompute_logprobs",
+    "reward_component_keys",
     "verify_record",
 ]
 
@@ -62,10 +72,17 @@ COLUMNS: list[tuple[str, tuple[str, ...]]] = [
     ("eval success", ("eval_success_rate",)),
 ]
 """Table columns: (header, metric keys). The keys are `StepMetrics` / `EvalResult.row()` field
-names; a tuple so that a renamed metric can keep reading old runs."""
+names; a tuple so that a renamed metric can keep reading old runs. The run's reward components
+(`rewards/<name>/mean`) follow "reward std", and a "flags" column (`row_flags`) comes last."""
 
-PLOTS = ["reward", "success", "model tok", "KL ref", "clip frac", "lp mismatch"]
-"""The columns drawn as curves in the PNG, one panel each."""
+PLOTS = [
+    "reward", "success", "reward components", "model tok",
+    "truncated", "KL ref", "clip frac", "lp mismatch",
+]  # fmt: skip
+"""The panels of the PNG, in a 2 x 4 grid: a `COLUMNS` header each, except "reward
+components" (one line per `rewards/<name>/mean`); "success" also draws the held-out eval."""
+
+_COMPONENT = re.compile(r"rewards/(.+)/mean")
 
 
 def metric(row: Mapping[str, Any], keys: Sequence[str]) -> float | None:
@@ -77,33 +94,75 @@ def metric(row: Mapping[str, Any], keys: Sequence[str]) -> float | None:
     return None
 
 
+def reward_component_keys(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The `rewards/<name>/mean` keys of the run, in the order they first appear."""
+    keys = (k for row in rows for k in row if _COMPONENT.fullmatch(k))
+    return list(dict.fromkeys(keys))
+
+
+def _columns(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, tuple[str, ...]]]:
+    """`COLUMNS` with the run's reward components after "reward std"."""
+    at = [name for name, _ in COLUMNS].index("reward std") + 1
+    components = [(key, (key,)) for key in reward_component_keys(rows)]
+    return [*COLUMNS[:at], *components, *COLUMNS[at:]]
+
+
 def _format(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3e}"
 
 
+def _step_label(row: Mapping[str, Any]) -> str:
+    """The row's step as an integer (JSON may hold `3.0`), or '-'."""
+    step = row.get("step")
+    if isinstance(step, int | float) and math.isfinite(step) and step == int(step):
+        return str(int(step))
+    return "-" if step is None else str(step)
+
+
 def metrics_table(rows: Sequence[Mapping[str, Any]], title: str = "metrics") -> Table:
-    """One row per step, one column per `COLUMNS` entry logged at least once in the run;
-    a value missing at a step shows '-'."""
+    """One row per step, one column per metric (`COLUMNS` and the reward components) logged at
+    least once in the run, a value missing at a step shown as '-'; then the step's flags when
+    any step has one."""
     logged = [
-        (name, keys) for name, keys in COLUMNS if any(metric(r, keys) is not None for r in rows)
+        (name, keys)
+        for name, keys in _columns(rows)
+        if any(metric(r, keys) is not None for r in rows)
     ]
     cells = [[_format(metric(row, keys)) for _, keys in logged] for row in rows]
-    steps = [str(row.get("step", "-")) for row in rows]
+    headers = ["step", *(name for name, _ in logged)]
+    flags = ["; ".join(row_flags(row)) for row in rows]
+    if any(flags):
+        headers.append("flags")
+        cells = [[*line, flag] for line, flag in zip(cells, flags, strict=True)]
+    lines = [[_step_label(row), *line] for row, line in zip(rows, cells, strict=True)]
     table = Table(title=title)
-    for i, header in enumerate(["step", *(name for name, _ in logged)]):
-        values = [steps[j] if i == 0 else line[i - 1] for j, line in enumerate(cells)]
+    for i, header in enumerate(headers):
+        width = max((len(line[i]) for line in lines), default=1)
         table.add_column(
-            header, justify="right", no_wrap=True, min_width=max(map(len, values), default=1)
+            header, justify="left" if header == "flags" else "right", no_wrap=True, min_width=width
         )
-    for step, line in zip(steps, cells, strict=True):
-        table.add_row(step, *line)
+    for line in lines:
+        table.add_row(*line)
     return table
 
 
-def _series(rows: Sequence[Mapping[str, Any]], column: str) -> tuple[list[float], list[float]]:
-    keys = dict(COLUMNS)[column]
+@dataclass(frozen=True)
+class Curve:
+    """One line of a panel: a label and its (step, value) points."""
+
+    label: str
+    """Legend text."""
+    steps: list[float]
+    """x: the steps that logged a finite value."""
+    values: list[float]
+    """y, one per step."""
+
+
+def _series(
+    rows: Sequence[Mapping[str, Any]], keys: Sequence[str]
+) -> tuple[list[float], list[float]]:
     points = [(row.get("step"), metric(row, keys)) for row in rows]
     steps_values = [
         (float(s), v) for s, v in points if isinstance(s, int | float) and v is not None
@@ -111,38 +170,84 @@ def _series(rows: Sequence[Mapping[str, Any]], column: str) -> tuple[list[float]
     return [s for s, _ in steps_values], [v for _, v in steps_values]
 
 
-def plot_curves(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Path:
-    """Draw the `PLOTS` curves (reward with its std band) into a PNG at `path`."""
+def _curve(rows: Sequence[Mapping[str, Any]], label: str, keys: Sequence[str]) -> Curve:
+    steps, values = _series(rows, keys)
+    return Curve(label, steps, values)
+
+
+def panel_curves(rows: Sequence[Mapping[str, Any]], panel: str) -> list[Curve]:
+    """The curves one `PLOTS` panel draws, those without a point left out."""
+    columns = dict(COLUMNS)
+    if panel == "reward components":
+        keys = reward_component_keys(rows)
+        curves = [
+            _curve(rows, k.removeprefix("rewards/").removesuffix("/mean"), (k,)) for k in keys
+        ]
+    elif panel == "success":
+        curves = [_curve(rows, "train", columns["success"]),
+                  _curve(rows, "eval (held-out)", columns["eval success"])]  # fmt: skip
+    else:
+        curves = [_curve(rows, panel, columns[panel])]
+    return [c for c in curves if c.steps]
+
+
+def _step_range(rows: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
+    """The x range of the curves: every step of the run, at least one step wide either side of a
+    single one (narrower, no integer lies between the ticks)."""
+    steps = [float(s) for row in rows if isinstance(s := row.get("step"), int | float)]
+    low, high = min(steps, default=0.0), max(steps, default=0.0)
+    pad = 0.5 if high - low >= 1 else 1.0
+    return low - pad, high + pad
+
+
+def curves_figure(rows: Sequence[Mapping[str, Any]], title: str = "") -> Any:
+    """The matplotlib figure of the `PLOTS` panels (reward with its std band), steps as
+    integer ticks."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display; must precede importing pyplot
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6), constrained_layout=True)
-    for ax, column in zip(axes.flat, PLOTS, strict=True):
-        steps, values = _series(rows, column)
-        ax.set_title(column)
+    # One step axis for every panel: a metric logged at a single step (the final eval) sits
+    # where it happened, not alone on an axis of its own around that step.
+    fig, axes = plt.subplots(2, 4, figsize=(16, 6), constrained_layout=True, sharex=True)
+    axes.flat[0].set_xlim(*_step_range(rows))
+    for ax, panel in zip(axes.flat, PLOTS, strict=True):
+        ax.set_title(panel)
         ax.set_xlabel("step")
-        if not steps:
+        # Steps are whole numbers: no "0.5" tick between two of them.
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        curves = panel_curves(rows, panel)
+        if not curves:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
             continue
-        ax.plot(steps, values, marker="o", markersize=3)
-        if column == "reward":
-            _std_band(ax, rows, steps, values)
+        for curve in curves:
+            ax.plot(curve.steps, curve.values, marker="o", markersize=3, label=curve.label)
+        if panel == "reward":
+            _std_band(ax, rows, curves[0])
+        if len(curves) > 1 or panel == "reward components":
+            ax.legend(fontsize="small")
     fig.suptitle(title)
+    return fig
+
+
+def plot_curves(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Path:
+    """Draw `curves_figure(rows)` into a PNG at `path`."""
+    fig = curves_figure(rows, title)
+    import matplotlib.pyplot as plt  # after `curves_figure` chose the Agg backend
+
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
 
 
-def _std_band(
-    ax: Any, rows: Sequence[Mapping[str, Any]], steps: list[float], means: list[float]
-) -> None:
-    std_steps, stds = _series(rows, "reward std")
-    if std_steps == steps:
-        lower = [m - s for m, s in zip(means, stds, strict=True)]
-        upper = [m + s for m, s in zip(means, stds, strict=True)]
-        ax.fill_between(steps, lower, upper, alpha=0.2)
+def _std_band(ax: Any, rows: Sequence[Mapping[str, Any]], mean: Curve) -> None:
+    std_steps, stds = _series(rows, dict(COLUMNS)["reward std"])
+    if std_steps == mean.steps:
+        lower = [m - s for m, s in zip(mean.values, stds, strict=True)]
+        upper = [m + s for m, s in zip(mean.values, stds, strict=True)]
+        ax.fill_between(mean.steps, lower, upper, alpha=0.2)
 
 
 def inspect_run(path: str | Path, out: Path | None = None, console: Console | None = None) -> Path:

@@ -1,24 +1,51 @@
 """`replay --html`: one self-contained HTML page (inline CSS and JS, nothing fetched when viewed).
 
-The page embeds the selected records as JSON, grouped by step, and renders them in the browser:
-a step picker (also settable as `page.html#step=N`), the step's group table (rewards and
-advantages of each group's samples side by side) and every record's tokens coloured by
-provenance. Each token carries a `title` tooltip with its id, provenance, logprobs, ratio and
-advantage, so the page works with no JS tooltip library and can be checked from a DOM dump.
-Values are computed here in Python (`replay.token_rows`), so the terminal and HTML views agree.
+The page embeds the selected records as JSON, step by step and group by group, and renders one
+step at a time in the browser (`agent_grpo.inspect.html_page` holds its CSS and script):
+
+- a step picker that opens on the step asked for (`open_step`, or `page.html#step=N`);
+- the step's group table, then each group's members side by side under the group's baseline
+  (mean and std as the advantages used them, `agent_grpo.inspect.baseline`);
+- per record: the verifier's verdict (expected and given answers), the reward components, the
+  tool-call table, and every token coloured by provenance, or, with the heatmap toggle
+  (`#heat=sampler|ratio|advantage`), model tokens shaded by sampler logprob, trainer/sampler
+  ratio or advantage;
+- model tokens the sampler gave less than `low_prob` underlined and listed, without hovering;
+- the prompt tokens a record shares with one shown before it in the step (the system prompt of
+  every task, the whole prompt of a group's later members) folded into a closed `<details>`.
+
+Each token carries a `title` tooltip with its id, provenance, probability, logprobs, ratio and
+advantage, so the page can be checked from a DOM dump. Values are computed here in Python
+(`replay.token_rows`), so the terminal and HTML views agree.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from html import escape
 from pathlib import Path
 from typing import Any
 
+from agent_grpo.inspect.baseline import GroupBaseline, group_baseline
+from agent_grpo.inspect.html_page import PAGE_CSS, PAGE_JS
 from agent_grpo.inspect.replay import DEFAULT_CLIP_EPS, PROVENANCE_STYLES, TokenRow, token_rows
 from agent_grpo.trajectory import Provenance, TrajectoryRecord
 
-__all__ = ["html_payload", "render_html", "write_html"]
+__all__ = [
+    "DEFAULT_LOW_PROB",
+    "html_payload",
+    "render_html",
+    "shared_prompt_prefixes",
+    "write_html",
+]
+
+DEFAULT_LOW_PROB = 0.1
+"""Model tokens the sampler drew with probability below this are marked on the page."""
+
+MIN_SHARED_TOKENS = 8
+"""A shared prompt prefix shorter than this is a chat template's role header, not worth folding."""
 
 _COLOURS = {
     Provenance.PROMPT: "#9e9e9e",
@@ -28,6 +55,20 @@ _COLOURS = {
     Provenance.PADDING: "#616161",
 }
 assert _COLOURS.keys() == PROVENANCE_STYLES.keys()
+
+Baselines = Mapping[tuple[int, str], GroupBaseline]
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` with each non-finite float as its name ('nan', 'inf', '-inf'): JSON has no NaN,
+    and one `NaN` literal would make the page's `JSON.parse` reject the whole payload."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
 
 
 def _round(value: float | None) -> float | None:
@@ -48,133 +89,164 @@ def _tokens(rows: Sequence[TokenRow]) -> dict[str, list[Any]]:
     }
 
 
-def _record_payload(record: TrajectoryRecord, tokenizer: Any, clip_eps: float) -> dict[str, Any]:
+def _tool_calls(record: TrajectoryRecord) -> list[dict[str, Any]]:
+    """Every tool call of the record with its turn, as the terminal's tool-call table has it."""
+    return [
+        {
+            "turn": turn.index,
+            "name": call.name,
+            "arguments": call.raw if call.arguments is None else json.dumps(call.arguments),
+            "result": call.result,
+            "error": call.error,
+            "error_kind": call.error_kind,
+        }
+        for turn in record.turns
+        for call in turn.tool_calls
+    ]
+
+
+def _prompt_length(record: TrajectoryRecord) -> int:
+    """Number of leading `prompt` tokens."""
+    for i, prov in enumerate(record.provenance):
+        if prov is not Provenance.PROMPT:
+            return i
+    return len(record.provenance)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def shared_prompt_prefixes(records: Sequence[TrajectoryRecord]) -> list[tuple[int, str] | None]:
+    """Per record, in the given order: (tokens, uid) when its first `tokens` prompt tokens are
+    those of the earlier record `uid` (the longest such prefix, at least `MIN_SHARED_TOKENS`),
+    else None. The first record with a given prompt is its first appearance: never folded."""
+    seen: dict[tuple[int, ...], str] = {}  # each distinct prompt -> uid of its first record
+    out: list[tuple[int, str] | None] = []
+    for record in records:
+        prompt = tuple(record.token_ids[: _prompt_length(record)])
+        best = max(
+            ((_common_prefix(prompt, other), uid) for other, uid in seen.items()),
+            key=lambda found: found[0],
+            default=(0, ""),
+        )
+        out.append(best if best[0] >= MIN_SHARED_TOKENS else None)
+        seen.setdefault(prompt, record.uid)
+    return out
+
+
+def _record_payload(
+    record: TrajectoryRecord, tokenizer: Any, clip_eps: float, shared: tuple[int, str] | None
+) -> dict[str, Any]:
     return {
         "uid": record.uid,
         "group": record.group_id,
         "sample": record.index_in_group,
         "task": record.task_id,
         "reward": record.reward,
+        "components": record.reward_components,
         "advantage": record.advantage,
         "success": record.success,
+        "excluded": record.excluded,
+        "verifier": record.verifier,
         "termination": f"{record.termination.kind} ({record.termination.reason})",
         "tool_errors": sum(c.error is not None for t in record.turns for c in t.tool_calls),
+        "tool_calls": _tool_calls(record),
+        "shared": None if shared is None else {"tokens": shared[0], "with": shared[1]},
         "tokens": _tokens(token_rows(record, tokenizer, clip_eps)),
     }
 
 
-def html_payload(
-    records: Sequence[TrajectoryRecord], tokenizer: Any, clip_eps: float = DEFAULT_CLIP_EPS
+def _group_payload(
+    members: list[TrajectoryRecord], baseline: GroupBaseline, records: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """The JSON the page embeds: `{"clip_eps", "steps": {step: [record, ...]}}`."""
-    steps: dict[str, list[dict[str, Any]]] = {}
-    for record in sorted(records, key=lambda r: (r.step, r.group_id, r.index_in_group)):
-        steps.setdefault(str(record.step), []).append(_record_payload(record, tokenizer, clip_eps))
-    return {"clip_eps": clip_eps, "steps": steps}
+    return {
+        "id": members[0].group_id,
+        "caption": baseline.caption(),
+        "mean": baseline.mean,
+        "std": baseline.std if baseline.norm.scale == "group" else None,
+        "records": records,
+    }
+
+
+def _step_payload(
+    records: list[TrajectoryRecord], tokenizer: Any, clip_eps: float, baselines: Baselines
+) -> list[dict[str, Any]]:
+    """One step's groups (in order of first appearance, members by index), each with its
+    baseline and its records' payloads."""
+    groups: dict[str, list[TrajectoryRecord]] = {}
+    for record in records:
+        groups.setdefault(record.group_id, []).append(record)
+    for members in groups.values():
+        members.sort(key=lambda r: r.index_in_group)
+    shared = iter(shared_prompt_prefixes([r for members in groups.values() for r in members]))
+    out = []
+    for group_id, members in groups.items():
+        baseline = baselines.get((members[0].step, group_id)) or group_baseline(members)
+        payloads = [_record_payload(r, tokenizer, clip_eps, next(shared)) for r in members]
+        out.append(_group_payload(members, baseline, payloads))
+    return out
+
+
+def html_payload(
+    records: Sequence[TrajectoryRecord],
+    tokenizer: Any,
+    clip_eps: float = DEFAULT_CLIP_EPS,
+    *,
+    low_prob: float = DEFAULT_LOW_PROB,
+    open_step: int | None = None,
+    baselines: Baselines | None = None,
+) -> dict[str, Any]:
+    """The JSON the page embeds: `{"clip_eps", "low_prob", "open", "steps": {step: [group,
+    ...]}}`, each group `{"id", "caption", "mean", "std", "records": [...]}`. A group missing
+    from `baselines` gets the baseline of the records given (the GRPO default norm)."""
+    by_step: dict[int, list[TrajectoryRecord]] = {}
+    for record in sorted(records, key=lambda r: r.step):  # stable: groups keep the run's order
+        by_step.setdefault(record.step, []).append(record)
+    steps = {
+        str(step): _step_payload(members, tokenizer, clip_eps, baselines or {})
+        for step, members in by_step.items()
+    }
+    opened = None if open_step is None else str(open_step)
+    return _jsonable({"clip_eps": clip_eps, "low_prob": low_prob, "open": opened, "steps": steps})
 
 
 def _embed_json(data: Any) -> str:
     """JSON safe inside a <script> element: no `<` can close it or open a comment."""
-    return json.dumps(data, ensure_ascii=False).replace("<", "\\u003c")
-
-
-_CSS = """
-body { font-family: system-ui, sans-serif; margin: 1.5em; color: #212121; }
-.tokens { font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.6;
-  border: 1px solid #ddd; padding: .6em; }
-.tok { border-radius: 2px; cursor: default; }
-.tok:nth-child(even) { background: rgba(0, 0, 0, .04); }
-.tok:hover { outline: 1px solid #000; }
-.clipped { background: #ffcdd2; outline: 1px solid #c62828; }
-table { border-collapse: collapse; margin: .5em 0; }
-td, th { border: 1px solid #ccc; padding: .2em .5em; text-align: right; }
-.legend span { margin-right: 1em; }
-#tip { position: fixed; display: none; background: #263238; color: #fff; padding: .4em .6em;
-  font: 12px ui-monospace, monospace; white-space: pre; pointer-events: none; z-index: 10; }
-"""
-
-_JS = """
-const DATA = JSON.parse(document.getElementById('data').textContent);
-const fmt = (v, d = 4) => v === null || v === undefined ? '-' : Number(v).toFixed(d);
-const el = (tag, attrs = {}, text = '') => {
-  const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
-  if (text) e.textContent = text;
-  return e;
-};
-function tokenTitle(rec, i) {
-  const t = rec.tokens, model = t.prov[i] === 'model';
-  return `#${i} id=${t.id[i]} ${t.prov[i]}\\nsampler=${fmt(t.sampler[i])} old=${fmt(t.old[i])}` +
-    ` ref=${fmt(t.ref[i])}\\nratio=${fmt(t.ratio[i])} adv=${model ? fmt(rec.advantage) : '-'}` +
-    (t.clipped[i] ? ' CLIPPED' : '');
-}
-function groupTable(records) {
-  const table = el('table', {id: 'groups'});
-  const size = Math.max(...records.map(r => r.sample)) + 1;
-  const head = el('tr');
-  head.append(el('th', {}, 'group'));
-  for (let i = 0; i < size; i++) head.append(el('th', {}, `sample ${i}: reward / adv`));
-  table.append(head);
-  const groups = {};
-  for (const r of records) (groups[r.group] ||= []).push(r);
-  for (const [gid, members] of Object.entries(groups)) {
-    const row = el('tr', {'data-group': gid});
-    row.append(el('td', {}, gid));
-    for (let i = 0; i < size; i++) {
-      const r = members.find(m => m.sample === i);
-      row.append(el('td', {}, r ? `${fmt(r.reward, 3)} / ${fmt(r.advantage, 3)}` : ''));
-    }
-    table.append(row);
-  }
-  return table;
-}
-function recordView(rec) {
-  const sec = el('section', {class: 'traj', 'data-uid': rec.uid});
-  sec.append(el('h3', {}, `${rec.uid}  reward ${fmt(rec.reward, 3)}  adv ${fmt(rec.advantage, 3)}` +
-    `  success ${rec.success}  ${rec.termination}  tool errors ${rec.tool_errors}`));
-  const box = el('div', {class: 'tokens'});
-  rec.tokens.id.forEach((id, i) => {
-    const cls = 'tok p-' + rec.tokens.prov[i] + (rec.tokens.clipped[i] ? ' clipped' : '');
-    const attrs = {class: cls, 'data-i': i, title: tokenTitle(rec, i)};
-    box.append(el('span', attrs, rec.tokens.text[i]));
-  });
-  sec.append(box);
-  return sec;
-}
-function show(step) {
-  const records = DATA.steps[step] || [];
-  document.getElementById('step').value = step;
-  const main = document.getElementById('main');
-  main.replaceChildren(el('h2', {}, `step ${step}: ${records.length} records`));
-  if (records.length) main.append(groupTable(records));
-  for (const rec of records) main.append(recordView(rec));
-}
-const picker = document.getElementById('step');
-const steps = Object.keys(DATA.steps).sort((a, b) => a - b);
-for (const s of steps) picker.append(el('option', {value: s}, s));
-picker.addEventListener('change', () => { location.hash = 'step=' + picker.value; });
-const fromHash = () => (location.hash.match(/step=(\\d+)/) || [])[1];
-window.addEventListener('hashchange', () => show(fromHash() || picker.options[0].value));
-show(fromHash() || (picker.options.length ? picker.options[0].value : '0'));
-const tip = document.getElementById('tip');
-document.addEventListener('mouseover', e => {
-  if (!e.target.classList.contains('tok')) { tip.style.display = 'none'; return; }
-  tip.textContent = e.target.title;
-  tip.style.display = 'block';
-});
-document.addEventListener('mousemove', e => {
-  tip.style.left = (e.clientX + 12) + 'px'; tip.style.top = (e.clientY + 12) + 'px';
-});
-"""
+    return json.dumps(data, ensure_ascii=False, allow_nan=False).replace("<", "\\u003c")
 
 
 def _provenance_css() -> str:
     return "\n".join(f".p-{p.value} {{ color: {c}; }}" for p, c in _COLOURS.items())
 
 
-def _legend() -> str:
+def _legend(low_prob: float) -> str:
     spans = "".join(f'<span class="p-{p.value}">{p.value}</span>' for p in _COLOURS)
-    return f'<div class="legend">{spans}<span class="clipped">clipped</span></div>'
+    marks = f'<span class="clipped">clipped</span><span class="lowprob">p &lt; {low_prob}</span>'
+    return f'<div class="legend">{spans}{marks}</div>'
+
+
+_HEAT_MODES = {
+    "provenance": "provenance",
+    "sampler": "sampler logprob",
+    "ratio": "trainer/sampler ratio",
+    "advantage": "advantage",
+}
+
+
+def _heat_toggle() -> str:
+    """Radio buttons choosing what colours the model tokens (the script keeps `#heat=` in sync)."""
+    inputs = "".join(
+        f'<label><input type="radio" name="heat" value="{mode}"{" checked" * (i == 0)}> '
+        f"{label}</label>"
+        for i, (mode, label) in enumerate(_HEAT_MODES.items())
+    )
+    return f'<fieldset id="heat"><legend>colour model tokens by</legend>{inputs}</fieldset>'
 
 
 def render_html(
@@ -183,20 +255,24 @@ def render_html(
     *,
     clip_eps: float = DEFAULT_CLIP_EPS,
     title: str = "agent-grpo replay",
+    low_prob: float = DEFAULT_LOW_PROB,
+    open_step: int | None = None,
+    baselines: Baselines | None = None,
 ) -> str:
-    """The whole page as a string."""
-    from html import escape
-
-    data = _embed_json(html_payload(records, tokenizer, clip_eps))
+    """The whole page as a string (see `html_payload` for the arguments)."""
+    payload = html_payload(
+        records, tokenizer, clip_eps, low_prob=low_prob, open_step=open_step, baselines=baselines
+    )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>
-<style>{_CSS}{_provenance_css()}</style></head>
+<style>{PAGE_CSS}{_provenance_css()}</style></head>
 <body><h1>{escape(title)}</h1>
-<label>step <select id="step"></select></label> {_legend()}
+<label>step <select id="step"></select></label> {_legend(low_prob)}
+{_heat_toggle()}<p id="heat-legend"></p>
 <p>ratio = exp(old - sampler); clipped: |ratio - 1| &gt; {clip_eps}</p>
 <div id="main"></div><div id="tip"></div>
-<script id="data" type="application/json">{data}</script>
-<script>{_JS}</script>
+<script id="data" type="application/json">{_embed_json(payload)}</script>
+<script>{PAGE_JS}</script>
 </body></html>
 """
 
@@ -208,10 +284,15 @@ def write_html(
     *,
     clip_eps: float = DEFAULT_CLIP_EPS,
     title: str = "agent-grpo replay",
+    low_prob: float = DEFAULT_LOW_PROB,
+    open_step: int | None = None,
+    baselines: Baselines | None = None,
 ) -> Path:
     """Write `render_html(...)` to `path`; return it."""
     path = Path(path)
-    path.write_text(
-        render_html(records, tokenizer, clip_eps=clip_eps, title=title), encoding="utf-8"
-    )
+    page = render_html(
+        records, tokenizer, clip_eps=clip_eps, title=title, low_prob=low_prob,
+        open_step=open_step, baselines=baselines,
+    )  # fmt: skip
+    path.write_text(page, encoding="utf-8")
     return path

@@ -8,6 +8,11 @@ minibatch). A token is flagged `clipped` when `|ratio - 1| > clip_eps`: engine a
 on it by more than the whole PPO clip range, so any importance weight or clipping computed against
 the sampler's logprobs is dominated by the mismatch, not by the policy update.
 
+Piped, the view is `PIPED_WIDTH` columns wide unless COLUMNS says otherwise; without colour
+(piped, or NO_COLOR) it marks provenance with `PLAIN_MARKS`. `--no-prompt` leaves the prompt
+out. Each group's caption is the baseline its advantages used (`agent_grpo.inspect.baseline`),
+over the whole group even when a filter shows only some of its members.
+
 `--verify` checks each record itself (torn lines, content hash, token invariants, duplicates,
 complete groups), then replays the environment from the record's seed with the recorded assistant
 texts and checks that it reproduces every observation and the reward (`agent_grpo.inspect.verify`);
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +37,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from agent_grpo.inspect.baseline import AdvantageNorm, GroupBaseline, group_baseline
 from agent_grpo.inspect.curves import (
     add_inspect_parser,
     drift_table,
@@ -42,6 +49,8 @@ from agent_grpo.store import RecordFilter, RunDir, StoredLine, select_entries
 from agent_grpo.trajectory import Provenance, TrajectoryRecord
 
 __all__ = [
+    "PIPED_WIDTH",
+    "PLAIN_MARKS",
     "PROVENANCE_STYLES",
     "TokenRow",
     "add_inspect_parser",
@@ -65,6 +74,15 @@ PROVENANCE_STYLES = {
 
 CLIPPED_STYLE = "bold white on red"
 DEFAULT_CLIP_EPS = 0.2
+
+PLAIN_MARKS = {p: f"\u27e6{p.value}\u27e7" for p in Provenance}
+"""Without colour (output piped, or NO_COLOR), each run of tokens of one provenance starts with
+its mark, e.g. `\u27e6model\u27e7`: brackets a chat template or a tool's JSON does not write."""
+CLIPPED_MARKS = ("\u27ea", "\u27eb")
+"""Without colour, a clipped token is written between these."""
+PIPED_WIDTH = 120
+"""Columns when output is not a terminal and COLUMNS is unset (rich's 80 squeezes the token
+tables until their numbers wrap)."""
 
 
 @dataclass(frozen=True)
@@ -182,14 +200,20 @@ def _tool_calls_table(record: TrajectoryRecord, turn_index: int) -> Table | None
     return table
 
 
-def _conversation(record: TrajectoryRecord) -> list[RenderableType]:
+def _conversation(record: TrajectoryRecord, prompt: bool = True) -> list[RenderableType]:
+    """Prompt messages (or one line saying they are hidden), then each turn and observation."""
     parts: list[RenderableType] = []
+    if not prompt and record.prompt_messages_count:
+        parts.append(
+            Text(f"prompt: {record.prompt_messages_count} message(s) hidden (--no-prompt)")
+        )
     turn = 0
     for i, message in enumerate(record.messages):
         if i < record.prompt_messages_count:
-            parts.append(
-                Panel(Text(message.content), title=f"prompt: {message.role}", style="grey62")
-            )
+            if prompt:
+                parts.append(
+                    Panel(Text(message.content), title=f"prompt: {message.role}", style="grey62")
+                )
         elif message.role == "assistant":
             detail = [t for t in record.turns if t.index == turn]
             finish = f", finish={detail[0].finish_reason}" if detail else ""
@@ -215,20 +239,43 @@ def _outcome(record: TrajectoryRecord) -> Panel:
     return Panel(Text("\n".join(lines)), title="outcome")
 
 
-def _legend() -> Text:
+def _legend(plain: bool = False) -> Text:
     legend = Text("tokens: ")
+    if plain:
+        marks = " ".join(PLAIN_MARKS.values())
+        return legend.append(
+            f"{marks} start a run of that provenance; clipped: {'token'.join(CLIPPED_MARKS)}"
+        )
     for prov, style in PROVENANCE_STYLES.items():
         legend.append(f" {prov.value} ", style=style)
     return legend.append(" clipped ", style=CLIPPED_STYLE)
 
 
-def _inline_tokens(rows: Sequence[TokenRow]) -> Text:
+def _inline_tokens(rows: Sequence[TokenRow], plain: bool = False) -> Text:
+    """The tokens as one text, coloured by provenance, or with `PLAIN_MARKS` when `plain`."""
     text = Text()
+    previous: Provenance | None = None
     for row in rows:
-        text.append(
-            row.text, style=CLIPPED_STYLE if row.clipped else PROVENANCE_STYLES[row.provenance]
-        )
+        if plain:
+            if row.provenance is not previous:
+                text.append(PLAIN_MARKS[row.provenance])
+            text.append(row.text.join(CLIPPED_MARKS) if row.clipped else row.text)
+        else:
+            style = CLIPPED_STYLE if row.clipped else PROVENANCE_STYLES[row.provenance]
+            text.append(row.text, style=style)
+        previous = row.provenance
     return text
+
+
+def _shown_tokens(rows: Sequence[TokenRow], prompt: bool, plain: bool) -> Text:
+    """`_inline_tokens` of the rows, the prompt's replaced by a count when `prompt` is False."""
+    if prompt:
+        return _inline_tokens(rows, plain)
+    hidden = sum(r.provenance is Provenance.PROMPT for r in rows)
+    text = Text(f"({hidden} prompt tokens hidden)")
+    return text.append(
+        _inline_tokens([r for r in rows if r.provenance is not Provenance.PROMPT], plain)
+    )
 
 
 def _token_table(rows: Sequence[TokenRow], title: str) -> Table:
@@ -266,13 +313,19 @@ def render_trajectory(
     tokens: bool = False,
     clip_eps: float = DEFAULT_CLIP_EPS,
     top_k: int = 10,
+    plain: bool = False,
+    prompt: bool = True,
 ) -> RenderableType:
-    """One record: header, each turn with its tool calls, the outcome, and optionally tokens."""
-    parts: list[RenderableType] = [_header(record), *_conversation(record), _outcome(record)]
+    """One record: header, each turn with its tool calls, the outcome, and optionally tokens.
+
+    `plain` marks provenance with `PLAIN_MARKS` instead of colour (for output without colour);
+    `prompt=False` leaves the prompt's messages and tokens out."""
+    conversation = _conversation(record, prompt)
+    parts: list[RenderableType] = [_header(record), *conversation, _outcome(record)]
     if tokens:
         rows = token_rows(record, tokenizer, clip_eps)
         model_rows = [r for r in rows if r.provenance is Provenance.MODEL]
-        parts += [_legend(), Panel(_inline_tokens(rows), title="tokens")]
+        parts += [_legend(plain), Panel(_shown_tokens(rows, prompt, plain), title="tokens")]
         parts += [_token_table(model_rows, "model tokens"), _mismatch_summary(rows, clip_eps)]
         top = top_disagreements(rows, top_k)
         if top:
@@ -280,22 +333,23 @@ def render_trajectory(
     return Panel(Group(*parts), title=f"trajectory {record.uid} (step {record.step})")
 
 
-def render_group(records: Sequence[TrajectoryRecord]) -> Table:
-    """A group's samples side by side: reward, advantage, success, termination, lengths."""
-    rewards = [r.reward for r in records]
-    spread = statistics.pstdev(rewards) if rewards else 0.0
-    caption = f"reward mean {statistics.fmean(rewards) if rewards else 0.0:.4f} std {spread:.4f}"
+def render_group(
+    records: Sequence[TrajectoryRecord], baseline: GroupBaseline | None = None
+) -> Table:
+    """A group's samples side by side: reward, advantage, success, termination, lengths. The
+    caption is `baseline`: by default that of `records` under GRPO's default norm."""
+    baseline = baseline or group_baseline(records)
     title = f"group {records[0].group_id} (step {records[0].step})" if records else "group"
     table = Table(
         "sample", "reward", "advantage", "success", "termination", "turns", "model tok",
-        "tool calls", "tool errors", title=title, caption=caption,
+        "tool calls", "tool errors", "excluded", title=title, caption=baseline.caption(),
     )  # fmt: skip
     for r in sorted(records, key=lambda r: r.index_in_group):
         calls = [c for t in r.turns for c in t.tool_calls]
         table.add_row(
             str(r.index_in_group), _num(r.reward), _num(r.advantage, "+.4f"), str(r.success),
             r.termination.kind, str(len(r.turns)), str(sum(r.loss_mask)), str(len(calls)),
-            str(sum(c.error is not None for c in calls)),
+            str(sum(c.error is not None for c in calls)), r.excluded or "",
         )  # fmt: skip
     return table
 
@@ -337,10 +391,14 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `replay RUN ...` on an argparse subparsers object."""
     p = subparsers.add_parser("replay", help="show stored trajectories, token by token")
     p.add_argument("run", type=Path, help="run directory")
-    p.add_argument("--step", type=int, help="step to show (default: the latest; --html: all)")
+    p.add_argument("--step", type=int,
+                   help="step to show (default: the latest); --html: the page holds every step "
+                        "and opens on this one")  # fmt: skip
     p.add_argument("--group", type=_group_arg, help="group id, or g: the g-th group of the step")
     p.add_argument("--sample", type=int, help="index of the sample within its group")
     p.add_argument("--tokens", action="store_true", help="show every token with its logprobs")
+    p.add_argument("--no-prompt", action="store_true",
+                   help="leave the prompt (its messages and tokens) out")  # fmt: skip
     p.add_argument("--failed", action="store_true", help="only records not judged solved")
     p.add_argument("--truncated", action="store_true", help="only records ended by a limit")
     p.add_argument("--errors", action="store_true", help="only records with a failed tool call")
@@ -372,15 +430,43 @@ def _show(
     detailed = args.group is not None or args.sample is not None or args.tokens
     detailed = detailed or _record_filter(args) != RecordFilter()
     tokenizer = load_run_tokenizer(run) if args.tokens else None
+    plain = console.no_color or console.color_system is None
+    baselines = group_baselines(run, records)
+    for key, members in _by_group(records).items():
+        console.print(render_group(members, baselines[key]))
+        for r in members if detailed else []:
+            console.print(
+                render_trajectory(r, tokenizer, tokens=args.tokens, clip_eps=args.clip_eps,
+                                  plain=plain, prompt=not args.no_prompt)
+            )  # fmt: skip
+
+
+def _by_group(records: Sequence[TrajectoryRecord]) -> dict[tuple[int, str], list[TrajectoryRecord]]:
     groups: dict[tuple[int, str], list[TrajectoryRecord]] = {}
     for r in records:
         groups.setdefault((r.step, r.group_id), []).append(r)
-    for members in groups.values():
-        console.print(render_group(members))
-        for r in members if detailed else []:
-            console.print(
-                render_trajectory(r, tokenizer, tokens=args.tokens, clip_eps=args.clip_eps)
-            )
+    return groups
+
+
+def group_baselines(
+    run: RunDir, records: Sequence[TrajectoryRecord]
+) -> dict[tuple[int, str], GroupBaseline]:
+    """Each shown group's baseline, under the run's `algo` config, over the *whole* group: a
+    filter (--failed, --sample) shows some members, but the advantages used them all."""
+    norm = AdvantageNorm.from_config(_run_config(run))
+    out = {}
+    for (step, group_id), members in _by_group(records).items():
+        whole = members if len(members) >= members[0].group_size else run.find(step, group_id)
+        out[step, group_id] = group_baseline(whole, norm)
+    return out
+
+
+def _console() -> Console:
+    """Rich's console, `PIPED_WIDTH` wide when not a terminal and COLUMNS is unset."""
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = PIPED_WIDTH
+    return console
 
 
 def _verify(console: Console, run: RunDir, args: argparse.Namespace) -> int:
@@ -403,6 +489,15 @@ def _verify(console: Console, run: RunDir, args: argparse.Namespace) -> int:
     return 1 if report.failed else 0
 
 
+def _write_html(args: argparse.Namespace, run: RunDir, records: list[TrajectoryRecord]) -> None:
+    from agent_grpo.inspect.html import write_html
+
+    write_html(
+        args.html, records, load_run_tokenizer(run), clip_eps=args.clip_eps, title=run.run_id,
+        open_step=args.step, baselines=group_baselines(run, records),
+    )  # fmt: skip
+
+
 def _recompute(console: Console, records: list[TrajectoryRecord], checkpoint: Path) -> None:
     from agent_grpo.models import load_model
 
@@ -417,24 +512,23 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Handler of `replay`: verify the run, or select records, then show, rescore or write
     HTML."""
     run = RunDir.open(args.run)
-    console = Console()
+    console = _console()
     if args.verify:
         return _verify(console, run, args)
     step = args.step
     if step is None and args.html is None:
         steps = run.steps()
         step = steps[-1] if steps else None
-    records = run.find(step, args.group, args.sample, **_record_filter(args).model_dump())
-    if not records:
+    # The page holds every step (its picker opens on --step); the terminal shows one.
+    chosen = None if args.html is not None else step
+    records = run.find(chosen, args.group, args.sample, **_record_filter(args).model_dump())
+    if not records or (step is not None and all(r.step != step for r in records)):
         console.print("no records match")
         return 1
     if args.html is not None:
-        from agent_grpo.inspect.html import write_html
-
-        write_html(
-            args.html, records, load_run_tokenizer(run), clip_eps=args.clip_eps, title=run.run_id
-        )
+        _write_html(args, run, records)
         console.print(f"wrote {args.html}")
+        records = [r for r in records if step is None or r.step == step]
     if args.recompute_logprobs is not None:
         _recompute(console, records, args.recompute_logprobs)
     if args.html is None and args.recompute_logprobs is None:

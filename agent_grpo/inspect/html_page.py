@@ -1,0 +1,266 @@
+"""The replay page's stylesheet and script, inlined by `agent_grpo.inspect.html` (no network).
+
+The script reads the JSON payload from `<script id="data">` and draws one step at a time. Its
+state lives in the URL fragment, `#step=N&heat=MODE`, so a link (or a headless browser's
+`--dump-dom`) opens exactly one view. Heatmap intensities, each in [-1, 1], per model token:
+
+- `sampler`: 1 - p, p = exp(sampler logprob): white where the sampler was sure, red where the
+  token was improbable;
+- `ratio`: log(ratio) over the log of the clip bound on its side (log(1 + eps) above 1,
+  |log(1 - eps)| below), clamped: full colour exactly where a token is flagged clipped; red where
+  the trainer gives the token more probability than the sampler did, blue less;
+- `advantage`: the record's advantage over the largest |advantage| of the step: green positive,
+  red negative.
+
+Each shaded token carries its intensity as `data-heat` (3 decimals), the number the colour's
+alpha is made of, so a DOM dump shows what the eye sees.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PAGE_CSS", "PAGE_JS"]
+
+PAGE_CSS = r"""
+body { font-family: system-ui, sans-serif; margin: 1.5em; color: #212121; }
+.tokens { font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.6;
+  border: 1px solid #ddd; padding: .6em; }
+.tok { border-radius: 2px; cursor: default; }
+.tok:nth-child(even) { background: rgba(0, 0, 0, .04); }
+.tok:hover { outline: 1px solid #000; }
+.clipped { background: #ffcdd2; outline: 1px solid #c62828; }
+.lowprob { text-decoration: underline wavy #d50000; text-underline-offset: 3px; }
+.dim { opacity: .4; }
+table { border-collapse: collapse; margin: .5em 0; }
+td, th { border: 1px solid #ccc; padding: .2em .5em; text-align: right; vertical-align: top; }
+table.tools td, table.tools th { text-align: left; }
+table.tools td { font-family: ui-monospace, monospace; white-space: pre-wrap;
+  word-break: break-word; }
+td.error { color: #c62828; }
+.legend span { margin-right: 1em; }
+.members { display: grid; gap: 1em; overflow-x: auto; }
+.traj { min-width: 0; }
+.verdict { padding: .3em .6em; border-left: 4px solid #9e9e9e; background: #fafafa; }
+.verdict.ok { border-color: #2e7d32; }
+.verdict.fail { border-color: #c62828; }
+.verdict code { background: #eceff1; padding: 0 .3em; }
+details.shared { display: inline; color: #757575; }
+details.shared summary { display: inline; cursor: pointer; font-style: italic; }
+#heat { display: inline-block; margin: .5em 0; }
+#tip { position: fixed; display: none; background: #263238; color: #fff; padding: .4em .6em;
+  font: 12px ui-monospace, monospace; white-space: pre; pointer-events: none; z-index: 10; }
+"""
+
+PAGE_JS = r"""
+const DATA = JSON.parse(document.getElementById('data').textContent);
+const HEAT_LEGENDS = {
+  provenance: '',
+  sampler: 'model tokens: red = improbable under the sampler (alpha = 1 - p)',
+  ratio: 'model tokens: red = trainer above sampler, blue = below; full colour at the clip bound',
+  advantage: 'model tokens: green = positive advantage, red = negative; full colour at the ' +
+    "step's largest |advantage|",
+};
+const PALETTES = {sampler: [[229, 57, 53], [229, 57, 53]], ratio: [[229, 57, 53], [30, 136, 229]],
+  advantage: [[46, 125, 50], [198, 40, 40]]};
+// Non-finite numbers arrive as their names: JSON has no NaN.
+const num = v => v === null || v === undefined ? null :
+  typeof v === 'string' ? Number(v.replace('inf', 'Infinity')) : v;
+const fmt = (v, d = 4) => num(v) === null ? '-' : Number(num(v)).toFixed(d);
+const el = (tag, attrs = {}, text = '') => {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  if (text) e.textContent = text;
+  return e;
+};
+function params() {
+  const out = {};
+  for (const part of location.hash.slice(1).split('&')) {
+    const [k, v] = part.split('=');
+    if (k) out[k] = decodeURIComponent(v || '');
+  }
+  return out;
+}
+function setParams(update) {
+  const p = {...params(), ...update};
+  location.hash = Object.entries(p).map(([k, v]) => `${k}=${encodeURIComponent(v)}`).join('&');
+}
+const prob = lp => num(lp) === null ? null : Math.exp(num(lp));
+function tokenTitle(rec, i) {
+  const t = rec.tokens, model = t.prov[i] === 'model';
+  const p = model && prob(t.sampler[i]) !== null ? ` p=${fmt(prob(t.sampler[i]))}` : '';
+  return `#${i} id=${t.id[i]} ${t.prov[i]}${p}\nsampler=${fmt(t.sampler[i])} old=${fmt(t.old[i])}` +
+    ` ref=${fmt(t.ref[i])}\nratio=${fmt(t.ratio[i])} adv=${model ? fmt(rec.advantage) : '-'}` +
+    (t.clipped[i] ? ' CLIPPED' : '');
+}
+// Heat of token i of rec under mode, in [-1, 1]; null off model tokens or without a value.
+function heat(mode, rec, i, advScale) {
+  const t = rec.tokens;
+  if (t.prov[i] !== 'model') return null;
+  if (mode === 'sampler') return prob(t.sampler[i]) === null ? null : 1 - prob(t.sampler[i]);
+  if (mode === 'ratio') {
+    const ratio = num(t.ratio[i]);
+    if (ratio === null || !(ratio > 0)) return null;
+    const log = Math.log(ratio);
+    const bound = Math.abs(Math.log(log >= 0 ? 1 + DATA.clip_eps : 1 - DATA.clip_eps));
+    return Math.max(-1, Math.min(1, log / bound));
+  }
+  if (mode === 'advantage') {
+    const adv = num(rec.advantage);
+    return adv === null || !isFinite(adv) ? null : advScale > 0 ? adv / advScale : 0;
+  }
+  return null;
+}
+function heatColour(mode, v) {
+  const [r, g, b] = PALETTES[mode][v >= 0 ? 0 : 1];
+  return `rgba(${r}, ${g}, ${b}, ${Math.abs(v).toFixed(3)})`;
+}
+function groupTable(groups) {
+  const table = el('table', {id: 'groups'});
+  const size = Math.max(...groups.flatMap(g => g.records.map(r => r.sample))) + 1;
+  const head = el('tr');
+  head.append(el('th', {}, 'group'));
+  for (let i = 0; i < size; i++) head.append(el('th', {}, `sample ${i}: reward / adv`));
+  table.append(head);
+  for (const group of groups) {
+    const row = el('tr', {'data-group': group.id});
+    row.append(el('td', {}, group.id));
+    for (let i = 0; i < size; i++) {
+      const r = group.records.find(m => m.sample === i);
+      row.append(el('td', {}, r ? `${fmt(r.reward, 3)} / ${fmt(r.advantage, 3)}` : ''));
+    }
+    table.append(row);
+  }
+  return table;
+}
+function code(cls, value) {
+  return el('code', {class: cls}, value === null || value === undefined ? '(none)' : String(value));
+}
+function verdictView(rec) {
+  const v = rec.verifier || {};
+  const known = 'success' in v;
+  const box = el('div', {class: 'verdict ' + (!known ? 'none' : v.success ? 'ok' : 'fail'),
+    'data-success': known ? String(v.success) : ''});
+  box.append(el('b', {}, 'verdict '));
+  if (!Object.keys(v).length) {
+    box.append(el('span', {class: 'v-outcome'}, `none: ${rec.termination}`));
+    return box;
+  }
+  box.append(el('span', {class: 'v-outcome'}, known ? (v.success ? 'solved' : 'not solved') : '?'));
+  box.append(' expected ', code('v-expected', v.expected), ' given ', code('v-given', v.given));
+  if (v.detail) box.append(' ', el('span', {class: 'v-detail'}, v.detail));
+  const shown = ['success', 'expected', 'given', 'detail'];
+  for (const [k, value] of Object.entries(v).filter(([k]) => !shown.includes(k)))
+    box.append(` ${k}=${typeof value === 'object' ? JSON.stringify(value) : value}`);
+  const parts = Object.entries(rec.components || {}).map(([k, value]) => `${k} ${fmt(value, 3)}`);
+  if (parts.length)
+    box.append(el('div', {class: 'components'}, 'reward components: ' + parts.join(', ')));
+  return box;
+}
+function toolTable(rec) {
+  if (!rec.tool_calls.length) return el('p', {class: 'no-tools'}, 'no tool calls');
+  const table = el('table', {class: 'tools'});
+  const head = el('tr');
+  for (const h of ['turn', 'tool', 'arguments', 'result / error']) head.append(el('th', {}, h));
+  table.append(head);
+  for (const call of rec.tool_calls) {
+    const row = el('tr');
+    row.append(el('td', {}, String(call.turn)), el('td', {}, call.name),
+      el('td', {}, call.arguments));
+    row.append(call.error === null
+      ? el('td', {class: 'result'}, call.result || '')
+      : el('td', {class: 'error'}, `[${call.error_kind}] ${call.error}`));
+    table.append(row);
+  }
+  return table;
+}
+function isLow(rec, i) {
+  const p = prob(rec.tokens.sampler[i]);
+  return rec.tokens.prov[i] === 'model' && p !== null && p < DATA.low_prob;
+}
+function lowProbList(rec) {
+  const low = rec.tokens.id.map((_, i) => i).filter(i => isLow(rec, i));
+  const shown = low.slice(0, 20).map(i =>
+    `${JSON.stringify(rec.tokens.text[i])} ${fmt(prob(rec.tokens.sampler[i]), 3)} (#${i})`);
+  const more = low.length > 20 ? `, ... ${low.length - 20} more` : '';
+  const text = `${low.length} model tokens with p < ${DATA.low_prob}`;
+  return el('p', {class: 'lowprob-list', 'data-count': low.length},
+    text + (low.length ? ': ' + shown.join(', ') + more : ''));
+}
+function tokenSpan(rec, i, mode, advScale) {
+  const t = rec.tokens;
+  let cls = 'tok p-' + t.prov[i] + (t.clipped[i] ? ' clipped' : '');
+  if (isLow(rec, i)) cls += ' lowprob';
+  const attrs = {'data-i': i, title: tokenTitle(rec, i)};
+  if (mode !== 'provenance') {
+    const v = heat(mode, rec, i, advScale);
+    if (v === null) cls += ' dim';
+    else Object.assign(attrs, {'data-heat': v.toFixed(3),
+      style: `background-color: ${heatColour(mode, v)}`});
+  }
+  return el('span', {class: cls, ...attrs}, t.text[i]);
+}
+function tokensView(rec, mode, advScale) {
+  const box = el('div', {class: 'tokens'});
+  const shared = rec.shared ? rec.shared.tokens : 0;
+  if (shared) {
+    const fold = el('details', {class: 'shared'});
+    fold.append(el('summary', {}, `[${shared} prompt tokens as in ${rec.shared.with}]`));
+    for (let i = 0; i < shared; i++) fold.append(tokenSpan(rec, i, mode, advScale));
+    box.append(fold);
+  }
+  for (let i = shared; i < rec.tokens.id.length; i++)
+    box.append(tokenSpan(rec, i, mode, advScale));
+  return box;
+}
+function recordView(rec, mode, advScale) {
+  const sec = el('section', {class: 'traj', 'data-uid': rec.uid});
+  sec.append(el('h4', {}, `${rec.uid}  reward ${fmt(rec.reward, 3)}  adv ${fmt(rec.advantage, 3)}` +
+    `  success ${rec.success}  ${rec.termination}  tool errors ${rec.tool_errors}` +
+    (rec.excluded ? `  excluded: ${rec.excluded}` : '')));
+  sec.append(verdictView(rec), toolTable(rec), lowProbList(rec), tokensView(rec, mode, advScale));
+  return sec;
+}
+function groupView(group, mode, advScale) {
+  const sec = el('section', {class: 'group', 'data-group': group.id});
+  sec.append(el('h3', {}, `group ${group.id}: ${group.caption}`));
+  const members = el('div', {class: 'members',
+    style: `grid-template-columns: repeat(${group.records.length}, minmax(28em, 1fr))`});
+  for (const rec of group.records) members.append(recordView(rec, mode, advScale));
+  sec.append(members);
+  return sec;
+}
+function show() {
+  const p = params();
+  const step = p.step || DATA.open || picker.options[0]?.value || '0';
+  const mode = p.heat in HEAT_LEGENDS ? p.heat : 'provenance';
+  const groups = DATA.steps[step] || [];
+  const records = groups.flatMap(g => g.records);
+  picker.value = step;
+  // The attribute too, so a DOM dump shows the choice.
+  for (const radio of document.querySelectorAll('#heat input'))
+    radio.toggleAttribute('checked', (radio.checked = radio.value === mode));
+  const advScale = Math.max(0, ...records.map(r => Math.abs(num(r.advantage))).filter(isFinite));
+  const legend = HEAT_LEGENDS[mode] + (mode === 'advantage' ? ` (${fmt(advScale, 3)})` : '');
+  document.getElementById('heat-legend').textContent = legend;
+  const main = document.getElementById('main');
+  main.replaceChildren(el('h2', {}, `step ${step}: ${records.length} records`));
+  if (records.length) main.append(groupTable(groups));
+  for (const group of groups) main.append(groupView(group, mode, advScale));
+}
+const picker = document.getElementById('step');
+const steps = Object.keys(DATA.steps).sort((a, b) => a - b);
+for (const s of steps) picker.append(el('option', {value: s}, s));
+picker.addEventListener('change', () => setParams({step: picker.value}));
+for (const radio of document.querySelectorAll('#heat input'))
+  radio.addEventListener('change', () => setParams({heat: radio.value}));
+window.addEventListener('hashchange', show);
+show();
+const tip = document.getElementById('tip');
+document.addEventListener('mouseover', e => {
+  if (!e.target.classList.contains('tok')) { tip.style.display = 'none'; return; }
+  tip.textContent = e.target.title;
+  tip.style.display = 'block';
+});
+document.addEventListener('mousemove', e => {
+  tip.style.left = (e.clientX + 12) + 'px'; tip.style.top = (e.clientY + 12) + 'px';
+});
+"""
