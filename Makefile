@@ -69,6 +69,8 @@ bench: install model
 	$(BIN)/python bench/train_throughput.py $(BENCH_FLAGS)
 	$(BIN)/python bench/memory_scaling.py $(BENCH_FLAGS)
 	$(BIN)/python bench/tool_runtime.py $(BENCH_FLAGS)
+	$(BIN)/python bench/lora_memory.py $(BENCH_FLAGS)
+	$(BIN)/python bench/async_rollout.py $(BENCH_FLAGS)
 	$(BIN)/python bench/report.py
 
 clean:

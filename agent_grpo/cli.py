@@ -17,12 +17,21 @@ def _cmd_model_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_transformers() -> None:
+    """transformers' own bars ("Loading weights", "Writing model shards") would interleave with
+    the run's display; its warnings stay."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from agent_grpo.config import load_config
     from agent_grpo.train import train
     from agent_grpo.train.config import TrainConfig
 
     config = load_config(TrainConfig, args.config, args.overrides)
+    _quiet_transformers()
     print(train(config, resume=args.resume))
     return 0
 
@@ -33,7 +42,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from agent_grpo.train.config import EvalRunConfig
 
     config = load_config(EvalRunConfig, args.config, args.overrides)
+    _quiet_transformers()
     print(run_eval_job(config))
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from agent_grpo.export import export_run
+
+    print(export_run(args.run, args.out or f"{args.run.rstrip('/')}-export"))
     return 0
 
 
@@ -79,6 +96,10 @@ def build_parser(*, with_replay: bool = True) -> argparse.ArgumentParser:
         help="print every key with its type, default and docstring (docs/config.md)",
     )  # fmt: skip
     config.set_defaults(func=_cmd_config)
+    export = sub.add_parser("export", help="a run's latest weights as a Hugging Face directory")
+    export.add_argument("run", help="run directory")
+    export.add_argument("--out", help="output directory (default: RUN-export)")
+    export.set_defaults(func=_cmd_export)
     if with_replay:  # rich/matplotlib-heavy; `model fetch` must not depend on it
         from agent_grpo.inspect.replay import add_inspect_parser, add_replay_parser
 
@@ -98,19 +119,26 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(with_replay=argv[:1] != ["model"]).parse_args(argv)
+    try:
+        return int(args.func(args))
+    except Exception as error:
+        if not isinstance(error, _user_errors()):
+            raise
+        print(f"error: {error}", file=sys.stderr)  # the input is wrong: one line, no traceback
+        return 2
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors that name a problem in the user's input or setup, printed as one line. Imported
+    only once one is raised, so `agent-grpo model fetch` stays light."""
     from agent_grpo.models import CorruptModelError, ModelFetchError, ModelNotFoundError
+    from agent_grpo.rollout.collector import EnvStepError, PromptTooLongError
     from agent_grpo.store import RunDirWriteError
     from agent_grpo.tokens import ChatTemplateError
 
-    clear = (
-        ConfigError, ModelNotFoundError, ModelFetchError, CorruptModelError, ChatTemplateError,
-        RunDirWriteError,  # a full disk: the run directory stays readable and resumable
-    )  # fmt: skip
-    try:
-        return int(args.func(args))
-    except clear as error:  # the input or the disk is wrong: one line naming it, no traceback
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    # RunDirWriteError: a full disk; the run directory stays readable and resumable.
+    return (ConfigError, ModelNotFoundError, ModelFetchError, CorruptModelError,
+            ChatTemplateError, EnvStepError, PromptTooLongError, RunDirWriteError)  # fmt: skip
 
 
 if __name__ == "__main__":

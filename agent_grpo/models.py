@@ -449,12 +449,26 @@ def load_model(
 ) -> PreTrainedModel:
     """Load a causal LM from an embedded model name, local directory or hub id, in eval mode."""
     source = resolve_model_path(str(name_or_path))
+    if (Path(source) / "adapter_config.json").is_file():  # a LoRA checkpoint: base + adapter
+        return _merged_adapter(Path(source), dtype=dtype, device=device)
     if Path(source).is_dir():
         _check_model_files(Path(source))
     model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
         source, dtype=dtype, device_map=device
     )
     return model.eval()
+
+
+def _merged_adapter(path: Path, *, dtype: torch.dtype, device: str) -> PreTrainedModel:
+    """The base model named in a peft adapter directory, with the adapter merged in."""
+    import json
+
+    from peft import PeftModel
+
+    base_name = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = load_model(base_name, dtype=dtype, device=device)
+    merged: PreTrainedModel = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
+    return merged.eval()
 
 
 # ---------------------------------------------------------------------------------------------

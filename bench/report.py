@@ -22,7 +22,8 @@ from matplotlib.axes import Axes
 from record import RESULTS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = ("rollout_throughput", "train_throughput", "memory_scaling", "tool_runtime")
+NAMES = ("rollout_throughput", "train_throughput", "memory_scaling", "tool_runtime",
+         "lora_memory", "async_rollout")  # fmt: skip
 Result = dict[str, Any]
 
 
@@ -232,6 +233,39 @@ def tools_section(r: Result) -> str:
     ])  # fmt: skip
 
 
+def lora_section(r: Result) -> str:
+    """Peak memory of a GRPO step, LoRA vs full fine-tuning."""
+    res, s = r["results"], r["settings"]
+    rows = [[side, x["trainable_params"], x["process_peak_rss_mb"], x["rss_growth_mb"],
+             x["step_s"]] for side, x in res.items()]  # fmt: skip
+    return "\n\n".join([
+        "## LoRA vs full fine-tuning (`bench/lora_memory.py`)",
+        run_line(r),
+        f"Model `{s['model']}`, {s['rows']} sequences x {s['length']} tokens (half of them model "
+        "tokens), 2 steps of the real update with AdamW; each side in a fresh process. LoRA: "
+        "rank 16 on every linear layer of the decoder.",
+        md_table(["side", "trainable params", "peak RSS MiB", "growth over 2 steps MiB",
+                  "s/step"], rows),
+    ])  # fmt: skip
+
+
+def async_section(r: Result) -> str:
+    """Synchronous vs asynchronous GRPO on Ray workers."""
+    res, s = r["results"], r["settings"]
+    rows = [[f"max_staleness {k[1:]}", x["trained_tokens_per_s"], x["speedup"],
+             x["idle_fraction"], x["step_s"], json.dumps(x["staleness"])]
+            for k, x in res.items()]  # fmt: skip
+    return "\n\n".join([
+        "## Asynchronous GRPO on Ray (`bench/async_rollout.py`)",
+        run_line(r),
+        f"2 Ray rollout workers, the tiny model, {s['steps']} steps (the first excluded), "
+        f"a {s['latency']} s tool call on each of 3 turns, {s['epochs']} update epochs; the same "
+        "job synchronous and with `algo.max_staleness` 1 and 2.",
+        md_table(["mode", "trained tokens/s", "x sync", "trainer idle", "s/step",
+                  "staleness histogram"], rows),
+    ])  # fmt: skip
+
+
 def _bars(ax: Axes, r: Result) -> None:
     res = r["results"]
     envs = r["settings"]["envs"]
@@ -309,6 +343,8 @@ SECTIONS = {
     "train_throughput": train_section,
     "memory_scaling": memory_section,
     "tool_runtime": tools_section,
+    "lora_memory": lora_section,
+    "async_rollout": async_section,
 }
 
 

@@ -94,7 +94,7 @@ def rows(run: Path) -> list[dict[str, Any]]:
 
 
 STEP_KEYS = set(StepMetrics.model_fields) - {"rollout", "signal", "mismatch", "update",
-                                             "reward_means"}  # fmt: skip
+                                             "reward_means", "staleness"}  # fmt: skip
 
 
 def metric_names() -> set[str]:
@@ -114,7 +114,9 @@ def test_every_knob_combination_trains(tmp_path: Path, tiny_model_dir: Path, nam
     for row in steps:
         components = {k for k in row if k.startswith("rewards/")}
         assert components == {"rewards/verifier/mean", f"rewards/{source(name)}/mean"}, row
-        assert set(row) - components == metric_names(), set(row) ^ metric_names()
+        assert {k for k in row if k.startswith("staleness/")} == {"staleness/0"}  # synchronous
+        named = {k for k in row if not k.startswith(("rewards/", "staleness/"))}
+        assert named == metric_names(), named ^ metric_names()
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]), row
         assert row["skipped_steps"] == 0
     checkpoint = sorted((run / "checkpoints").iterdir())[-1]

@@ -18,8 +18,8 @@ from agent_grpo.logprobs import token_logprobs
 from agent_grpo.models import load_model
 from agent_grpo.train.batch import pack_records
 from agent_grpo.train.config import AlgoConfig, TrainConfig
-from agent_grpo.train.lora import LoraSettings, wrap_lora
 from agent_grpo.train.loop import train
+from agent_grpo.train.lora import LoraSettings, wrap_lora
 from agent_grpo.train.parallel import DistContext, LogprobModel, wrap_policy
 from agent_grpo.train.update import minibatch_update
 from agent_grpo.trajectory import Provenance
