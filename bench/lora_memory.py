@@ -1,6 +1,6 @@
 """Peak memory of a GRPO step with LoRA against full fine-tuning, same model and batch.
 
-    .venv/bin/python bench/lora_memory.py [--quick] [--model embedded|tiny] [--rows 8 --length 256]
+    .venv/bin/python bench/lora_memory.py [--quick] [--model embedded|tiny] [--rows 8 --tokens 256]
 
 Each side runs in a fresh process (`isolated.py`): load the model (full: as is; LoRA: under a
 rank-16 adapter on every linear layer of the decoder), then 2 steps of the real update
@@ -38,12 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_common_flags(p)
     p.add_argument("--model", choices=["tiny", "embedded"], default="embedded")
     p.add_argument("--rows", type=int, default=8)
-    p.add_argument("--length", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.model, args.rows, args.length = "tiny", 4, 64
+        args.model, args.rows, args.tokens = "tiny", 4, 64
     return args
 
 
@@ -64,8 +64,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     trainable = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-5)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 49152, (args.rows, args.length), generator=g)
-    model_tokens = torch.arange(args.length)[None].expand(args.rows, -1) >= args.length // 2
+    ids = torch.randint(3, 49152, (args.rows, args.tokens), generator=g)
+    model_tokens = torch.arange(args.tokens)[None].expand(args.rows, -1) >= args.tokens // 2
     batch = PackedBatch(ids, torch.ones_like(ids), model_tokens.clone(),
                         torch.full(ids.shape, -1.0), torch.randn(args.rows, generator=g),
                         torch.arange(args.rows))  # fmt: skip
@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     with PeakWindow() as window:
         for _ in range(2):
             minibatch_update(policy, optimizer, batch, None, None,
-                             AlgoConfig(shared_prefix=False), 1.0, args.length)  # fmt: skip
+                             AlgoConfig(shared_prefix=False), 1.0, args.tokens)  # fmt: skip
     return {**window.as_dict(), "step_s": (time.perf_counter() - started) / 2,
             "trainable_params": sum(p.numel() for p in trainable)}  # fmt: skip
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     with bench_run("lora_memory", args) as run:
         for side in SIDES:
             flags = ["--worker", side, "--model", args.model, "--rows", str(args.rows),
-                     "--length", str(args.length), "--threads", str(args.threads)]  # fmt: skip
+                     "--tokens", str(args.tokens), "--threads", str(args.threads)]  # fmt: skip
             child = run_isolated(Path(__file__), flags, env=child_env(args.threads),
                                  timeout_s=1800)  # fmt: skip
             if not child.ok:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             run.results[side] = {**r, "process_peak_rss_mb": round(child.max_rss_mb, 1)}
             rows.append([side, r["trainable_params"], round(child.max_rss_mb),
                          r["rss_growth_mb"], r["step_s"]])  # fmt: skip
-    print_table(f"GRPO step, {args.model} model, {args.rows} x {args.length} tokens",
+    print_table(f"GRPO step, {args.model} model, {args.rows} x {args.tokens} tokens",
                 ["side", "trainable params", "peak RSS MiB", "growth over 2 steps MiB",
                  "s/step"], rows)  # fmt: skip
     return 0

@@ -241,7 +241,7 @@ def lora_section(r: Result) -> str:
     return "\n\n".join([
         "## LoRA vs full fine-tuning (`bench/lora_memory.py`)",
         run_line(r),
-        f"Model `{s['model']}`, {s['rows']} sequences x {s['length']} tokens (half of them model "
+        f"Model `{s['model']}`, {s['rows']} sequences x {s['tokens']} tokens (half of them model "
         "tokens), 2 steps of the real update with AdamW; each side in a fresh process. LoRA: "
         "rank 16 on every linear layer of the decoder.",
         md_table(["side", "trainable params", "peak RSS MiB", "growth over 2 steps MiB",
