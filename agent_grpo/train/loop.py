@@ -303,10 +303,10 @@ def _train(
     if checkpoint is not None:
         state = restore(checkpoint, trainer)
         log.info("resumed from %s at step %d", checkpoint, state.step)
-    if rollouts is not None and sampler is not None:  # the policy GRPO starts (or resumes) from
-        rollouts.push(sampler, state.step)
     else:  # base eval and warm start are done: a resume never repeats them
         save(run, trainer, state, keep)
+    if rollouts is not None and sampler is not None:  # the policy GRPO starts (or resumes) from
+        rollouts.push(sampler, state.step)
     tensorboard = open_tensorboard(run, config) if run is not None else None
     saved_at, watch = time.monotonic(), DeadStepWatch()
     progress.start_at(state.step)
