@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference_tokens import render_reference
+from test_tokens import make_record
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.invariants import check_invariants
 from agent_grpo.tokens import TokenBuilder, encode_plain
-from agent_grpo.trajectory import Message, Provenance, Termination, TrajectoryRecord, TurnRecord
+from agent_grpo.trajectory import Message, Provenance, Termination, TrajectoryRecord
 
 EOS = 2
 HOSTILE = [
@@ -95,32 +96,8 @@ def round_trips(tokenizer: PreTrainedTokenizerBase, text: str) -> bool:
 
 
 def to_record(builder: TokenBuilder) -> TrajectoryRecord:
-    """A record holding exactly what the builder built."""
-    return TrajectoryRecord(
-        group_id="prop",
-        task_id="prop:0",
-        index_in_group=0,
-        group_size=1,
-        env_id="prop",
-        seed=0,
-        messages=builder.messages,
-        prompt_messages_count=builder.prompt_messages_count,
-        token_ids=builder.token_ids,
-        provenance=builder.provenance,
-        sampler_logprobs=builder.sampler_logprobs,
-        turns=[
-            TurnRecord(
-                index=s.index,
-                model_text=s.model_text,
-                token_start=s.start,
-                token_end=s.end,
-                finish_reason="stop",
-            )
-            for s in builder.turn_spans
-        ],
-        termination=Termination(kind="truncated", reason="max_turns"),
-        lengths=builder.lengths(),
-    )
+    """A record holding exactly what the builder built, ended by the turn limit."""
+    return make_record(builder, termination=Termination(kind="truncated", reason="max_turns"))
 
 
 property_settings = settings(

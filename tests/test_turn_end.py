@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 from reference_tokens import render_reference
+from test_tokens import make_record
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.invariants import check_invariants
@@ -25,7 +26,7 @@ from agent_grpo.tokens import (
     turn_end_ids,
 )
 from agent_grpo.train.warm_start import expert_record
-from agent_grpo.trajectory import Message, Termination, TrajectoryRecord, TurnRecord
+from agent_grpo.trajectory import Message
 
 IM_END, ENDOFTEXT = 2, 0
 PROMPT = [
@@ -51,36 +52,6 @@ def render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> s
     )
     assert isinstance(text, str)
     return text
-
-
-def record_of(builder: TokenBuilder) -> TrajectoryRecord:
-    """A record holding exactly what the builder built."""
-    turns = [
-        TurnRecord(
-            index=s.index,
-            model_text=s.model_text,
-            token_start=s.start,
-            token_end=s.end,
-            finish_reason="stop",
-        )
-        for s in builder.turn_spans
-    ]
-    return TrajectoryRecord(
-        group_id="g",
-        task_id="calc:0",
-        index_in_group=0,
-        group_size=1,
-        env_id="agent_grpo/Calculator-v0",
-        seed=0,
-        messages=builder.messages,
-        prompt_messages_count=builder.prompt_messages_count,
-        token_ids=builder.token_ids,
-        provenance=builder.provenance,
-        sampler_logprobs=builder.sampler_logprobs,
-        turns=turns,
-        termination=Termination(kind="terminated", reason="final_answer"),
-        lengths=builder.lengths(),
-    )
 
 
 def test_turn_end_is_read_off_the_template(
@@ -124,7 +95,7 @@ def test_a_sampled_turn_end_closes_the_turn_once(
     contexts.append(got)
     answer = [*tok.encode("5", add_special_tokens=False), turn_end]
     builder.add_model_turn(answer, [-0.25] * len(answer))
-    record = record_of(builder)
+    record = make_record(builder)
     check_invariants(record, tok, contexts=contexts)
     reference = render_reference(
         tok, builder.messages, [ids, answer], prompt_messages_count=len(PROMPT)
@@ -144,7 +115,7 @@ def test_a_sampled_eos_that_is_not_the_turn_end_is_content(
     builder.add_observations([Message(role="user", content="Sure?")])
     # The template closes the turn in full after the sampled EOS.
     assert builder.token_ids[span.end - 1 : span.end + 1] == [eos, turn_end]
-    check_invariants(record_of(builder), tok)
+    check_invariants(make_record(builder), tok)
     reference = render_reference(tok, builder.messages, [ids], prompt_messages_count=len(PROMPT))
     assert reference == (builder.token_ids, builder.provenance)
 
