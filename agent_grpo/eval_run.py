@@ -12,7 +12,7 @@ from agent_grpo.config import dump_config
 from agent_grpo.evaluate import env_stop_strings, evaluate_heldout
 from agent_grpo.models import load_model, load_tokenizer, resolve_model_path
 from agent_grpo.preflight import preflight_eval
-from agent_grpo.rollout.factory import build_backend
+from agent_grpo.rollout.factory import EngineLimits, build_backend
 from agent_grpo.store import RunDir
 from agent_grpo.train.config import EvalRunConfig
 
@@ -25,7 +25,9 @@ def run_eval_job(config: EvalRunConfig) -> Path:
     path = resolve_model_path(config.model.name_or_path)
     tokenizer = load_tokenizer(path)
     model = load_model(path, dtype=getattr(torch, config.model.dtype)).eval()
-    backend = build_backend(config.backend, model, tokenizer, path)
+    rows = config.eval.tasks * config.eval.samples
+    limits = EngineLimits(max_seqs=rows, max_len=config.max_context_tokens)
+    backend = build_backend(config.backend, model, tokenizer, path, None, limits)
     stop = env_stop_strings(config.env.id, config.env.kwargs)
     result, records = evaluate_heldout(
         backend, tokenizer, config.env, config.eval,

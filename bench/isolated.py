@@ -33,6 +33,7 @@ __all__ = [
     "current_rss_mb",
     "exit_on_sigterm",
     "peak_rss_mb",
+    "process_peak_rss_mb",
     "reset_peak_rss",
     "run_isolated",
     "write_child_result",
@@ -56,13 +57,25 @@ def peak_rss_mb() -> float:
     return _status_kib("VmHWM") / _MB
 
 
+_peak_before_resets_mb = 0.0
+"""The highest RSS high-water mark any `reset_peak_rss` has wiped (see `process_peak_rss_mb`)."""
+
+
 def reset_peak_rss() -> bool:
     """Reset the RSS high-water mark to the current RSS; False where the kernel cannot."""
+    global _peak_before_resets_mb
+    _peak_before_resets_mb = max(_peak_before_resets_mb, peak_rss_mb())
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         return False
     return True
+
+
+def process_peak_rss_mb() -> float:
+    """This process's peak RSS since it started, in MiB, resets included. The reset also lowers
+    what `ru_maxrss` reports at exit, so a child that used `PeakWindow` reports this instead."""
+    return max(_peak_before_resets_mb, peak_rss_mb())
 
 
 class PeakWindow:

@@ -155,40 +155,83 @@ def _targets_line(summary: Result) -> str:
     return " ".join(words)
 
 
+SIDE_NOTES = {
+    "trl": "TRL 1.16 `GRPOTrainer`, fp32, clips gradients at 1.0",
+    "hf": "ours, `hf` backend, fp32, defaults (clips at 1.0)",
+    "hf-in-backward": "ours, `hf`, fp32, `algo.optimizer_in_backward` (no clipping)",
+    "hf-lean": "ours, `hf`, fp32, `algo.optimizer_in_backward` and `algo.recompute_mlp`",
+    "hf-bf16": "ours, `hf`, `model.dtype: bfloat16` (fp32 master weights, bf16 reference), "
+    "optimizer in backward",
+    "vllm": "ours, `vllm` backend (fp32 engine, KV cache sized to the job), defaults",
+    "vllm-lean": "ours, `vllm`, fp32, optimizer in backward and MLP recompute",
+    "vllm-bf16": "ours, `vllm` with a bf16 engine, `model.dtype: bfloat16`, optimizer in backward",
+}
+
+
 def train_section(r: Result) -> str:
-    """Ours vs TRL on one GRPO step."""
-    s, sides = r["settings"], r["results"]["sides"]
-    rows = []
+    """Whole GRPO steps, ours vs TRL, by phase and against the machine's ceilings."""
+    s, res = r["settings"], r["results"]
+    sides, ceiling = res["sides"], res.get("ceiling") or {}
+    trl = sides.get("trl", {})
+    trl_s, trl_mb = (trl["step_s"], trl["peak_rss_mb"]) if trl.get("ok") else (None, None)
+    rows, parts, bounds = [], [], []
     for name, x in sides.items():
         if not x["ok"]:
             error = (x.get("error") or "").strip().splitlines()
-            rows.append([name, "did not run: " + (error[0] if error else "?")] + [None] * 9)
+            rows.append([name, "did not run: " + (error[0] if error else "?")] + [None] * 10)
             continue
-        spread = "{:.3g}-{:.3g}".format(min(x["update_s_all"]), max(x["update_s_all"]))
-        rows.append([name, x["repeats"], x["prompt_tokens"], x["completion_tokens"],
-                     x["generate"]["seconds"], x["update"]["seconds"], spread,
-                     x["update_tokens_per_s"], x["generate"]["rss_growth_mb"],
-                     x["update"]["rss_growth_mb"], x["process_peak_rss_mb"]])  # fmt: skip
-    ratio = r["results"].get("ours_over_trl_update_speed")
-    algo = sides.get("ours", {}).get("algo", {})
-    knobs = ", ".join(f"`{k}={algo[k]}`" for k in ("shared_prefix", "skip_zero_advantage",
-                                                   "micro_batch_tokens") if k in algo)  # fmt: skip
-    return "\n\n".join([
-        "## One GRPO step vs TRL (`bench/train_throughput.py`)",
+        rows.append([name, x["step_s"], trl_s / x["step_s"] if trl_s else None,
+                     x["peak_rss_mb"] / 1024, x["peak_rss_mb"] / trl_mb if trl_mb else None,
+                     x["completion_tokens"], x["rollout_s"], x.get("ref_s"), x.get("update_s"),
+                     x.get("push_s"), x.get("mismatch")])  # fmt: skip
+        if "parts_mb" in x:
+            parts.append([name, *(x["parts_mb"].get(k) for k in PARTS),
+                          *(x["phase_peak_mb"].get(k) for k in ("rollout", "update"))])  # fmt: skip
+        if b := x.get("bounds"):
+            bounds.append([name, b["rollout_tok_s"], b["rollout_ceiling_tok_s"],
+                           b["rollout_fraction"], b["update_tok_s"], b["update_ceiling_tok_s"],
+                           b["update_fraction"]])  # fmt: skip
+    notes = "; ".join(f"`{k}`: {v}" for k, v in SIDE_NOTES.items() if k in sides)
+    out = [
+        "## Whole GRPO steps vs TRL (`bench/train_throughput.py`)",
         run_line(r),
-        f"Embedded model, {s['tasks']} Calculator-v0 prompt(s) x group {s['group_size']}, "
-        f"completions of exactly {s['completion_length']} tokens, beta {s['beta']}, lr {s['lr']},"
-        " one on-policy optimizer step, token-mean loss, each side in a fresh process, sides "
-        "alternating; medians over the runs. Generate = ours `collect_groups` with the `hf` "
-        "backend, TRL `_generate_and_score_completions`; update = the rest of the step. "
-        "`+RSS` is the growth of resident memory over the phase (the first update also "
-        "allocates AdamW's two moment buffers and the gradients); the last column is the "
-        "whole process's peak." + (f" Our trainer's settings: {knobs}." if knobs else ""),
-        md_table(["impl", "runs", "prompt tokens", "completion tokens", "generate s", "update s",
-                  "update s range", "update tokens/s", "generate +RSS MiB", "update +RSS MiB",
-                  "process peak MiB"], rows),
-        "" if ratio is None else f"Update speed, ours / TRL: {ratio:.2f}x.",
-    ]).rstrip()  # fmt: skip
+        f"Embedded SmolLM2-135M-Instruct, {s['tasks']} single-turn Calculator-v0 prompts x group "
+        f"{s['group_size']}, at most {s['max_tokens']} completion tokens, beta {s['beta']} (k3), "
+        f"lr {s['lr']}, clip 0.2, token-mean loss, one on-policy optimizer step per step; "
+        f"{s['steps']} steps per run, the mean of steps 2-{s['steps']} per run, the median over "
+        f"{s['rounds']} round(s) of fresh processes with the sides alternating. Peak RSS is the "
+        "whole process's (vLLM's engine runs inside it), with glibc's default allocator "
+        f"settings. Sides: {notes}.",
+        md_table(["impl", "s/step", "x TRL", "peak RSS GiB", "x TRL memory", "completion tokens",
+                  "rollout s", "pi_ref s", "update s", "weight push s",
+                  "sampler/trainer logprob mismatch"], rows),
+    ]  # fmt: skip
+    if parts:
+        out += [
+            "Memory by part (MiB): persistent tensors read off the objects, the engine as the "
+            "growth of RSS while it is built, gradients as the most held at once during "
+            "backward; then the process's peak RSS during the rollout and the update phases.",
+            md_table(["impl", *PARTS, "peak in rollout", "peak in update"], parts),
+        ]
+    if bounds and ceiling:
+        f32, b16 = ceiling["fp32"], ceiling["bf16"]
+        out += [
+            "Against the limit. Measured in the same run: matmul FLOP/s on the model's own "
+            f"linear shapes ({ceiling['tokens']} rows) forward / backward: fp32 "
+            f"{f32['layers forward'] / 1e9:.0f} / {f32['layers backward'] / 1e9:.0f} GFLOP/s, "
+            f"bf16 {b16['layers forward'] / 1e9:.0f} / {b16['layers backward'] / 1e9:.0f}; "
+            f"memory bandwidth {ceiling['bandwidth_gb_s']:.1f} GB/s (reading a 1 GiB buffer). "
+            "Update ceiling = FLOP/s / (6 N + 2 N for the reference) per computed token (each "
+            "group's prompt once, as the shared-prefix pass computes it); rollout ceiling = "
+            "bandwidth x batch / (bytes of the weights one decode step reads).",
+            md_table(["impl", "rollout tok/s", "rollout ceiling", "fraction", "update tok/s",
+                      "update ceiling", "fraction"], bounds),
+        ]  # fmt: skip
+    return "\n\n".join(out)
+
+
+PARTS = ("policy weights", "reference weights", "optimizer state", "gradients (peak held)",
+         "engine (weights, KV cache, runtime)")  # fmt: skip
 
 
 def memory_section(r: Result) -> str:
@@ -297,14 +340,21 @@ def _memory(ax: Axes, r: Result) -> None:
 
 def _train(ax: Axes, r: Result) -> None:
     sides = {k: v for k, v in r["results"]["sides"].items() if v["ok"]}
-    phases = ("generate", "update")
-    for i, phase in enumerate(phases):
-        ax.bar([j + 0.4 * i for j in range(len(sides))],
-               [v[phase]["seconds"] for v in sides.values()], 0.4, label=phase)  # fmt: skip
-    ax.set_xticks([j + 0.2 for j in range(len(sides))])
-    ax.set_xticklabels(list(sides))
-    ax.set_ylabel("seconds")
-    ax.set_title("one GRPO step")
+    names = list(sides)
+    bottom = [0.0] * len(names)
+    for key, label in (("rollout_s", "rollout"), ("ref_s", "pi_ref"), ("update_s", "update"),
+                       ("push_s", "push")):  # fmt: skip
+        values = [v.get(key, 0.0) or 0.0 for v in sides.values()]
+        if key == "rollout_s":  # TRL: generation, then the rest of its step
+            values = [v["rollout_s"] for v in sides.values()]
+        if key == "update_s":
+            values = [v.get("update_s", v["step_s"] - v["rollout_s"]) for v in sides.values()]
+        ax.bar(names, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, fontsize=7, rotation=30)
+    ax.set_ylabel("seconds per step")
+    ax.set_title("whole GRPO step by phase")
     ax.legend(fontsize=7)
 
 

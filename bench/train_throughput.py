@@ -1,271 +1,526 @@
-"""One GRPO step, ours vs TRL's `GRPOTrainer`: time and peak memory of generation and of the update.
+"""Whole GRPO steps, ours vs TRL's `GRPOTrainer` on the same work, against the machine's limits.
 
-    .venv/bin/python bench/train_throughput.py [--quick] [--tasks 2 --group-size 4 ...]
+    .venv/bin/python bench/train_throughput.py [--quick] [--sides trl hf vllm ...]
 
-Matched single-turn workload: the same Calculator-v0 prompts (system prompt with the tool schema
-plus the question), the same model (the embedded SmolLM2-135M-Instruct, fp32), `tasks x group`
-completions of exactly `completion-length` tokens each (EOS disabled on our side, `min_new_tokens`
-on TRL's, so both train on the same number of tokens), temperature 1, top-p 1, top-k off, the
-same KL weight `beta`, clip 0.2, token-mean loss (TRL's `dapo`), AdamW with the same lr, grad
-clip 1.0, one optimizer step, on-policy (TRL `num_iterations=1`, ours `epochs=1`), and seeded
-random rewards (the reward values do not change the compute). Each side runs in a fresh process,
-`--repeats` times, alternating sides; tables show medians (the load of a shared machine drifts).
+The workload (issue 18): the embedded SmolLM2-135M-Instruct in fp32, single-turn Calculator-v0
+prompts (system prompt with the tool schema plus the question), `tasks` prompts x group `G` per
+step, at most `max-tokens` completion tokens (EOS ends a completion early on both sides),
+temperature 1, top-p 1, KL weight `beta` with the k3 estimator, clip 0.2, token-mean loss (TRL's
+`dapo`), AdamW with the same lr, one on-policy optimizer step per step (TRL
+`num_iterations=1`). `steps` steps per run; the first is warm-up and steps 2..N are "steady".
+Every side runs in a fresh process, the sides alternate, `rounds` times; tables show medians.
 
-Phases (wall seconds and peak RSS, see `isolated.py` for how memory is measured):
-- generate: ours `collect_groups` with the `hf` backend; TRL `_generate_and_score_completions`
-  (generation, rewards, advantages and, when beta > 0, the reference logprobs).
-- update: the rest of the step: ours `minibatch_update` (plus the reference logprobs when
-  beta > 0); TRL from the end of generation to `on_step_end` (logprob forward, loss, backward,
-  clip, optimizer step). Tokens/s counts every real token in the batch (prompt + completion)
-  per update second; "trained tok/s" counts completion tokens only.
+Sides: `trl` (TRL's trainer, rewards from a seeded random function: the reward values do not
+change the compute), and ours through the real `agent_grpo.train` loop (the env's verifier as
+reward) with a backend and settings per side (`SIDES`). Peak RSS is the whole process's
+(`ru_maxrss`; vLLM's engine runs in our process). Per phase, ours reports the step's own timings
+(`metrics.jsonl`) and the RSS it reached, and the persistent memory by part (weights, reference,
+optimizer state, gradients at their peak, engine incl. its KV cache).
+
+Ceilings, measured in the same run (`ceiling` child, once per round): matmul FLOP/s on the
+model's own linear shapes (forward and both backward products, fp32 and bf16) and the memory
+bandwidth of streaming a buffer far larger than the caches. Each phase is reported against its
+bound: update tokens/s against FLOP/s / (FLOPs per token of the passes the step runs), rollout
+tokens/s against bandwidth x batch / (bytes one decode step must read: the weights).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import json
+import os
 import random
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from isolated import PeakWindow, child_env, exit_on_sigterm, run_isolated, write_child_result
+from isolated import (
+    PeakWindow,
+    child_env,
+    current_rss_mb,
+    exit_on_sigterm,
+    process_peak_rss_mb,
+    run_isolated,
+    write_child_result,
+)
 from record import add_common_flags, bench_run, console, print_table, set_threads
 
 ENV_ID = "agent_grpo/Calculator-v0"
+MODEL = "smollm2-135m-instruct"
+
+IN_BACKWARD = {"optimizer_in_backward": True, "max_grad_norm": None}
+"""No whole-model gradient buffer (agent_grpo/train/backward_steps.py); no clipping then."""
+LEAN = {**IN_BACKWARD, "recompute_mlp": True}
+"""Also recompute the MLPs in backward (agent_grpo/train/recompute.py)."""
+SIDES: dict[str, dict[str, Any]] = {
+    "hf": {"backend": {"type": "hf"}},
+    "hf-in-backward": {"backend": {"type": "hf"}, "algo": IN_BACKWARD},
+    "hf-lean": {"backend": {"type": "hf"}, "algo": LEAN},
+    "hf-bf16": {"backend": {"type": "hf"}, "dtype": "bfloat16", "algo": IN_BACKWARD},
+    "vllm": {"backend": {"type": "vllm"}},
+    "vllm-lean": {"backend": {"type": "vllm"}, "algo": LEAN},
+    "vllm-bf16": {"backend": {"type": "vllm", "dtype": "bfloat16"}, "dtype": "bfloat16",
+                  "algo": IN_BACKWARD},
+}  # fmt: skip
+"""Our sides: the rollout backend, `model.dtype` (the trainer's compute dtype; bf16 also holds
+the reference in bf16) and algo settings over the shared ones."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Sizes and settings; `--worker` is internal."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_common_flags(p)
-    p.add_argument("--tasks", type=int, default=2, help="distinct prompts")
+    p.add_argument("--tasks", type=int, default=2, help="prompts per step")
     p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--completion-length", type=int, default=64)
-    p.add_argument("--beta", type=float, default=0.0, help="KL weight (0: no reference model)")
+    p.add_argument("--max-tokens", type=int, default=48, help="most completion tokens")
+    p.add_argument("--steps", type=int, default=5, help="steps per run; the first is warm-up")
+    p.add_argument("--beta", type=float, default=0.04, help="KL weight (k3)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
-    p.add_argument("--repeats", type=int, default=3, help="runs per side, alternating sides")
+    p.add_argument("--sides", nargs="+", default=["trl", "hf", "hf-lean", "hf-bf16", "vllm",
+                                                  "vllm-lean", "vllm-bf16"],
+                   choices=["trl", *SIDES])  # fmt: skip
+    p.add_argument("--algo", default="{}", help="JSON: algo settings for our sides")
+    p.add_argument("--rounds", type=int, default=2, help="runs per side, alternating sides")
     p.add_argument("--worker-timeout", type=float, default=1800.0)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.tasks, args.group_size, args.completion_length, args.repeats = 1, 2, 16, 1
+        args.tasks, args.group_size, args.max_tokens, args.steps, args.rounds = 1, 2, 8, 2, 1
     return args
 
 
-def prompts(args: argparse.Namespace) -> list[list[dict[str, Any]]]:
-    """The chat prompts of the first `tasks` Calculator-v0 training seeds."""
+# ---- our side: the real training loop, its phases watched -----------------------------------
+
+
+def our_config(args: argparse.Namespace, side: str, root: str) -> dict[str, Any]:
+    """The `agent-grpo train` config of one of our sides."""
+    spec = SIDES[side]
+    return {
+        "seed": args.seed, "steps": args.steps,
+        "model": {"name_or_path": MODEL, "dtype": spec.get("dtype", "float32")},
+        "env": {"id": ENV_ID, "kwargs": {"max_turns": 1}},
+        "rollout": {"backend": spec["backend"], "tasks_per_step": args.tasks,
+                    "group_size": args.group_size, "max_context_tokens": 512,
+                    "sampling": {"temperature": 1.0, "top_p": 1.0, "max_tokens": args.max_tokens},
+                    "progress": False},
+        "algo": {"beta": args.beta, "kl": "k3", "lr": args.lr, "clip_low": 0.2, "clip_high": 0.2,
+                 "aggregation": "token-mean", **spec.get("algo", {}), **json.loads(args.algo)},
+        "warm_start": None, "eval": None,
+        "run": {"root": root, "name": "bench", "checkpoint_every_s": 0, "tensorboard": False},
+    }  # fmt: skip
+
+
+def _bytes_mb(tensors: Any) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+
+def computed_tokens(batch: Any) -> int:
+    """Tokens one forward over `batch` computes with `algo.shared_prefix`: each group's prompt
+    once (up to its first model token), then every row's model-token span."""
+    first = batch.loss_mask.float().argmax(dim=1)  # [B]: where each row's model tokens start
+    trained = batch.loss_mask.any(dim=1)  # [B]
+    prompts: dict[int, int] = {}
+    for g, start, t in zip(
+        batch.group_index.tolist(), first.tolist(), trained.tolist(), strict=True
+    ):
+        if t:
+            prompts[g] = min(prompts.get(g, start), start)
+    lengths = batch.attention_mask.sum(dim=1)  # [B]
+    rows = [int(lengths[b]) - prompts[g] for b, g in enumerate(batch.group_index.tolist())
+            if g in prompts and bool(trained[b])]  # fmt: skip
+    return sum(prompts.values()) + sum(rows)
+
+
+class Watch:
+    """Wraps the loop's phase functions: the peak RSS each phase reaches, and the persistent
+    memory by part, read off the objects the loop passes them."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, list[float]] = {}
+        self.parts: dict[str, float] = {}
+        self.grad_peak_mb = 0.0
+        self.update_tokens: list[int] = []
+
+    def phase(self, name: str, fn: Any) -> Any:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            with PeakWindow() as window:
+                out = fn(*a, **k)
+            self.peaks.setdefault(name, []).append(window.peak_mb)
+            return out
+
+        return wrapped
+
+    def engine(self, fn: Any) -> Any:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            before = current_rss_mb()
+            backend = fn(*a, **k)
+            self.parts["engine (weights, KV cache, runtime)"] = current_rss_mb() - before
+            return backend
+
+        return wrapped
+
+    def update(self, fn: Any) -> Any:
+        def wrapped(policy: Any, optimizer: Any, *a: Any, **k: Any) -> Any:
+            hooks = [p.register_post_accumulate_grad_hook(self._count_grads)
+                     for p in policy.parameters() if p.requires_grad]  # fmt: skip
+            self.update_tokens.append(computed_tokens(a[0]))
+            with PeakWindow() as window:
+                out = fn(policy, optimizer, *a, **k)
+            for hook in hooks:
+                hook.remove()
+            self.peaks.setdefault("update", []).append(window.peak_mb)
+            self.parts["policy weights"] = _bytes_mb(policy.parameters())
+            state = [v for s in optimizer.state.values() for v in s.values()
+                     if isinstance(v, torch.Tensor) and v.numel() > 1]  # fmt: skip
+            self.parts["optimizer state"] = _bytes_mb(state)
+            self.parts["gradients (peak held)"] = self.grad_peak_mb
+            return out
+
+        return wrapped
+
+    def _count_grads(self, param: torch.Tensor) -> None:
+        """After each parameter's gradient is accumulated: the gradient bytes alive now."""
+        del param
+        live = getattr(self, "_policy_params", None)
+        if live is None:
+            return
+        held = _bytes_mb(p.grad for p in live if p.grad is not None)
+        self.grad_peak_mb = max(self.grad_peak_mb, held)
+
+    def reference(self, fn: Any) -> Any:
+        def wrapped(model: Any, *a: Any, **k: Any) -> Any:
+            with PeakWindow() as window:
+                out = fn(model, *a, **k)
+            self.peaks.setdefault("pi_ref", []).append(window.peak_mb)
+            self.parts["reference weights"] = _bytes_mb(model.parameters())
+            return out
+
+        return wrapped
+
+
+def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
+    """One of our sides: `agent_grpo.train.loop.train` on the side's config."""
+    import agent_grpo.train.loop as loop
+    from agent_grpo.train.config import TrainConfig
+    from agent_grpo.train.workers import LocalRollouts
+
+    watch = Watch()
+    loop.build_backend = watch.engine(loop.build_backend)  # type: ignore[attr-defined]
+    loop.batch_logprobs = watch.reference(loop.batch_logprobs)  # type: ignore[attr-defined]
+    loop.grpo_update = watch.update(loop.grpo_update)  # type: ignore[attr-defined]
+    loop.push_weights = watch.phase("weight push", loop.push_weights)  # type: ignore[attr-defined]
+    LocalRollouts.collect = watch.phase("rollout", LocalRollouts.collect)  # type: ignore[method-assign]
+    make_trainer = loop.Trainer
+
+    def trainer(**k: Any) -> Any:
+        watch._policy_params = [p for p in k["policy"].parameters() if p.requires_grad]  # type: ignore[attr-defined]
+        return make_trainer(**k)
+
+    loop.Trainer = trainer  # type: ignore[attr-defined,assignment]
+    root = tempfile.mkdtemp(prefix="bench-ours-")
+    config = TrainConfig.model_validate(our_config(args, args.worker, root))
+    started = time.perf_counter()
+    path = loop.train(config)
+    wall = time.perf_counter() - started
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "step_time_s" in r]
+    return {
+        "steps": steps,
+        "peaks": watch.peaks,
+        "parts": watch.parts,
+        "wall_s": wall,
+        "update_tokens": watch.update_tokens,
+    }
+
+
+# ---- TRL's side ------------------------------------------------------------------------------
+
+
+def prompts(n: int, seed: int) -> list[list[dict[str, Any]]]:
+    """The chat prompts of `n` Calculator-v0 training seeds (single turn)."""
     from agent_grpo.env import train_seeds
     from agent_grpo.registry import make_env
 
-    env = make_env(ENV_ID)
-    seeds = train_seeds(args.tasks, random.Random(args.seed))
-    out = [env.reset(seed=s)[0] for s in seeds]
+    env = make_env(ENV_ID, max_turns=1)
+    out = [env.reset(seed=s)[0] for s in train_seeds(n, random.Random(seed))]
     env.close()
     return out
 
 
-def random_rewards(n: int, seed: int) -> list[float]:
-    """Seeded rewards in [0, 1): realistic non-zero advantages at no cost."""
-    rng = random.Random(seed)
-    return [rng.random() for _ in range(n)]
-
-
-def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
-    """Our step: `collect_groups` (hf backend) then `minibatch_update`."""
-    from agent_grpo.algo.grpo import group_advantages
-    from agent_grpo.models import load_model, load_tokenizer
-    from agent_grpo.rollout.backend import SamplingConfig
-    from agent_grpo.rollout.collector import Task, collect_groups
-    from agent_grpo.rollout.config import RolloutConfig
-    from agent_grpo.rollout.hf_backend import HFBackend
-    from agent_grpo.train.batch import pack_records
-    from agent_grpo.train.config import AlgoConfig
-    from agent_grpo.train.update import batch_logprobs, minibatch_update
-
-    tokenizer, policy = load_tokenizer("smollm2-135m-instruct"), load_model("smollm2-135m-instruct")
-    reference = copy.deepcopy(policy).requires_grad_(False) if args.beta > 0 else None
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-    algo = AlgoConfig(beta=args.beta, lr=args.lr, clip_low=0.2, clip_high=0.2)
-    backend = HFBackend(policy, tokenizer, eos_token_ids=[])  # every completion full length
-    backend.generate([[1, 2, 3, 4]], SamplingConfig(max_tokens=4), [0])  # untimed warm-up
-    backend.prefix_cache.clear()
-    from agent_grpo.env import train_seeds
-
-    seeds = train_seeds(args.tasks, random.Random(args.seed))
-    tasks = [Task(env_id=ENV_ID, seed=s, env_kwargs={"max_turns": 1}) for s in seeds]
-    sampling = SamplingConfig(temperature=1.0, max_tokens=args.completion_length, seed=args.seed)
-    config = RolloutConfig(group_size=args.group_size, sampling=sampling, progress=False)
-    with PeakWindow() as generate:
-        records = collect_groups(tasks, backend, tokenizer, config).records
-        rewards = torch.tensor(random_rewards(len(records), args.seed))  # [B]
-        advantages = group_advantages(rewards, [r.group_id for r in records])  # [B]
-        batch = pack_records(records, tokenizer.pad_token_id, advantages.tolist())
-    with PeakWindow() as update:
-        ref = None
-        if reference is not None:
-            ref = batch_logprobs(reference, batch, 1.0, algo)  # [B, T]
-        metrics, _ = minibatch_update(policy, optimizer, batch, None, ref, algo, 1.0)
-    return {
-        "prompt_tokens": int(batch.attention_mask.sum()) - batch.num_model_tokens,
-        "completion_tokens": batch.num_model_tokens,
-        "rows": int(batch.input_ids.shape[0]),
-        "generate": generate.as_dict(),
-        "update": update.as_dict(),
-        "loss": metrics["loss"],
-        "algo": algo.model_dump(),
-    }
-
-
 def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
-    """TRL's step: `GRPOTrainer.train()` for one step, phases timed by a wrapper and a callback."""
+    """TRL's `GRPOTrainer.train()` for `steps` steps; each step and its generation timed."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from agent_grpo.models import load_model, load_tokenizer
 
-    tokenizer, model = load_tokenizer("smollm2-135m-instruct"), load_model("smollm2-135m-instruct")
+    tokenizer, model = load_tokenizer(MODEL), load_model(MODEL)
     rows = args.tasks * args.group_size
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench-trl-"), use_cpu=True, bf16=False,
         per_device_train_batch_size=rows, gradient_accumulation_steps=1,
-        num_generations=args.group_size, max_completion_length=args.completion_length,
-        generation_kwargs={"min_new_tokens": args.completion_length},
+        num_generations=args.group_size, max_completion_length=args.max_tokens,
         temperature=1.0, top_p=1.0, top_k=0, beta=args.beta, epsilon=0.2, loss_type="dapo",
         learning_rate=args.lr, weight_decay=0.0, max_grad_norm=1.0, num_iterations=1,
-        max_steps=1, logging_steps=1, report_to=[], save_strategy="no", seed=args.seed,
+        max_steps=args.steps, logging_steps=1, report_to=[], save_strategy="no", seed=args.seed,
         dataloader_num_workers=0, log_completions=False,
     )  # fmt: skip
-    reward_values = iter(random_rewards(rows, args.seed))
+    rng = random.Random(args.seed)
 
     def reward(completions: list[Any], **_: Any) -> list[float | None]:
-        return [next(reward_values) for _ in completions]
+        return [rng.random() for _ in completions]
 
-    dataset = Dataset.from_list([{"prompt": p} for p in prompts(args)])
+    dataset = Dataset.from_list(
+        [{"prompt": p} for p in prompts(args.tasks * args.steps, args.seed)]
+    )
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
                           train_dataset=dataset, processing_class=tokenizer)  # fmt: skip
-    windows: dict[str, Any] = {}
+    steps: list[dict[str, Any]] = []
     generate_inner = trainer._generate_and_score_completions
 
     def timed_generate(batch: Any) -> Any:
-        with PeakWindow() as window:
-            out = generate_inner(batch)
-        windows["generate"] = window
-        windows["tokens"] = (int(out["prompt_mask"].sum()), int(out["completion_mask"].sum()))
-        windows["update"] = PeakWindow().__enter__()  # the update starts now
+        started = time.perf_counter()
+        out = generate_inner(batch)
+        steps[-1]["generate_s"] = time.perf_counter() - started
+        steps[-1]["completion_tokens"] = int(out["completion_mask"].sum())
         return out
 
-    class StepEnd(TrainerCallback):
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            steps.append({"started": time.perf_counter()})
+
         def on_step_end(self, *_: Any, **__: Any) -> None:
-            windows["update"].__exit__(None, None, None)
+            steps[-1]["step_time_s"] = time.perf_counter() - steps[-1].pop("started")
 
     trainer._generate_and_score_completions = timed_generate  # type: ignore[method-assign,assignment]
-    trainer.add_callback(StepEnd())
+    trainer.add_callback(StepClock())
     trainer.train()
-    prompt_tokens, completion_tokens = windows["tokens"]
+    return {"steps": steps}
+
+
+# ---- ceilings --------------------------------------------------------------------------------
+
+
+def model_shapes() -> tuple[list[tuple[int, int]], int, int, int]:
+    """The embedded model's matmul shapes (in, out) per token, its layer count, its parameter
+    count and its vocabulary."""
+    from transformers import AutoConfig
+
+    from agent_grpo.models import resolve_model_path
+
+    c = AutoConfig.from_pretrained(resolve_model_path(MODEL))
+    head_dim = c.hidden_size // c.num_attention_heads
+    kv = c.num_key_value_heads * head_dim
+    h, m = c.hidden_size, c.intermediate_size
+    layer = [(h, h), (h, kv), (h, kv), (h, h), (h, m), (h, m), (m, h)]  # q k v o gate up down
+    params = c.num_hidden_layers * sum(i * o for i, o in layer) + c.vocab_size * c.hidden_size
+    return layer, c.num_hidden_layers, params, c.vocab_size
+
+
+def _best_of(fn: Any, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def matmul_flops(tokens: int, dtype: torch.dtype) -> dict[str, float]:
+    """FLOP/s of the model's linear layers on `tokens` rows: forward (x W^T), backward (g W and
+    g^T x), each layer shape weighted by its FLOPs, plus the LM head."""
+    from transformers import AutoConfig
+
+    from agent_grpo.models import resolve_model_path
+
+    layer, _, _, vocab = model_shapes()
+    hidden = AutoConfig.from_pretrained(resolve_model_path(MODEL)).hidden_size
+    out = {}
+    for name, shapes in (("layers", layer), ("lm head", [(hidden, vocab)])):
+        flops = seconds_f = seconds_b = 0.0
+        for i, o in shapes:
+            x, w = torch.randn(tokens, i, dtype=dtype), torch.randn(o, i, dtype=dtype)
+            g = torch.randn(tokens, o, dtype=dtype)
+            seconds_f += _best_of(lambda x=x, w=w: x @ w.T)
+            seconds_b += _best_of(lambda g=g, w=w, x=x: (g @ w, g.T @ x))
+            flops += 2.0 * tokens * i * o
+        out[f"{name} forward"] = flops / seconds_f
+        out[f"{name} backward"] = 2 * flops / seconds_b
+    return out
+
+
+def bandwidth_gb_s() -> float:
+    """GB/s of reading a 1 GiB fp32 buffer (a sum: one read per byte, nothing written)."""
+    x = torch.ones(2**28)
+    return x.numel() * 4 / _best_of(lambda: x.sum(), repeats=3) / 1e9
+
+
+def worker_ceiling(args: argparse.Namespace) -> dict[str, Any]:
+    """The machine's bounds for this workload (see the module docstring)."""
+    tokens = args.tasks * 250 + args.tasks * args.group_size * args.max_tokens  # one update batch
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "rows": rows,
-        "generate": windows["generate"].as_dict(),
-        "update": windows["update"].as_dict(),
-        "loss": float(trainer.state.log_history[0].get("loss", float("nan"))),
+        "tokens": tokens,
+        "fp32": matmul_flops(tokens, torch.float32),
+        "bf16": matmul_flops(tokens, torch.bfloat16),
+        "bandwidth_gb_s": bandwidth_gb_s(),
+        "params": model_shapes()[2],
     }
 
 
-def summarise(result: dict[str, Any]) -> dict[str, Any]:
-    """Throughput of the update: all real tokens and trained tokens per update second."""
-    seconds = result["update"]["seconds"]
-    tokens = result["prompt_tokens"] + result["completion_tokens"]
-    return {
-        "update_tokens_per_s": tokens / seconds,
-        "update_trained_tokens_per_s": result["completion_tokens"] / seconds,
-        "step_s": seconds + result["generate"]["seconds"],
-    }
+# ---- the comparison --------------------------------------------------------------------------
 
 
 def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
     """One side in a fresh process."""
     console.print(f"[bold]{side}[/bold] ...")
     flags = ["--worker", side, "--threads", str(args.threads), "--tasks", str(args.tasks),
-             "--group-size", str(args.group_size), "--completion-length",
-             str(args.completion_length), "--beta", str(args.beta), "--lr", str(args.lr),
-             "--seed", str(args.seed)]  # fmt: skip
-    child = run_isolated(
-        Path(__file__), flags, env=child_env(args.threads), timeout_s=args.worker_timeout
-    )
+             "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
+             "--steps", str(args.steps), "--beta", str(args.beta), "--lr", str(args.lr),
+             "--seed", str(args.seed), "--algo", args.algo]  # fmt: skip
+    env = child_env(args.threads)
+    # glibc's own allocator settings, as a user runs: the low mmap threshold `child_env` sets for
+    # exact memory windows makes every large tensor a fresh mmap, and measured here it slowed
+    # the update 1.8x (page faults); peak RSS is what a user's process really reaches
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    child = run_isolated(Path(__file__), flags, env=env, timeout_s=args.worker_timeout)
     if not child.ok:
         console.print(f"[red]{side} did not run:[/red] {(child.error or '')[-1500:]}")
         return {"ok": False, "error": child.error}
-    return {"ok": True, "process_peak_rss_mb": child.max_rss_mb, **child.result}
+    # the child's own figure: its `PeakWindow` resets lower what ru_maxrss reports
+    peak = max(child.result.pop("peak_rss_mb"), child.max_rss_mb)
+    return {"ok": True, "process_peak_rss_mb": peak, "loadavg": os.getloadavg(), **child.result}
 
 
-def _median_phase(runs: list[dict[str, Any]], phase: str) -> dict[str, float]:
-    keys = ("seconds", "rss_start_mb", "rss_peak_mb", "rss_growth_mb")
-    return {k: statistics.median(r[phase][k] for r in runs) for k in keys}
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
 
 
-def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One side's repeats as medians (load on a shared machine drifts between runs)."""
+def steady(run: dict[str, Any], key: str) -> float:
+    """Mean of `key` over the steady steps (2..N) of one run."""
+    values = [s.get(key, 0.0) for s in run["steps"][1:]] or [s.get(key, 0.0) for s in run["steps"]]
+    return sum(values) / len(values)
+
+
+def summarise(side: str, runs: list[dict[str, Any]], ceiling: dict[str, Any]) -> dict[str, Any]:
+    """One side's medians over its runs, and each phase against its ceiling."""
     ok = [r for r in runs if r["ok"]]
     if not ok:
-        return {"ok": False, "error": runs[0]["error"], "runs": runs}
-    median = {
-        **ok[0],
-        "generate": _median_phase(ok, "generate"),
-        "update": _median_phase(ok, "update"),
-        "process_peak_rss_mb": statistics.median(r["process_peak_rss_mb"] for r in ok),
-        "repeats": len(ok),
-        "update_s_all": [r["update"]["seconds"] for r in ok],
-        "generate_s_all": [r["generate"]["seconds"] for r in ok],
-        "runs": runs,
+        return {"ok": False, "error": runs[0]["error"]}
+    out: dict[str, Any] = {
+        "ok": True,
+        "runs": len(ok),
+        "step_s": _median([steady(r, "step_time_s") for r in ok]),
+        "step_s_all": [round(steady(r, "step_time_s"), 3) for r in ok],
+        "peak_rss_mb": _median([r["process_peak_rss_mb"] for r in ok]),
     }
-    return {**median, **summarise(median)}
+    if side == "trl":
+        out["rollout_s"] = _median([steady(r, "generate_s") for r in ok])
+        out["completion_tokens"] = _median([steady(r, "completion_tokens") for r in ok])
+        out["train_s"] = out["step_s"] - out["rollout_s"]
+        return out
+    for key, name in (("rollout_wait_time_s", "rollout_s"), ("reference_time_s", "ref_s"),
+                      ("old_logprobs_time_s", "old_s"), ("update_time_s", "update_s"),
+                      ("weight_push_time_s", "push_s"), ("logprob_mismatch_mean", "mismatch"),
+                      ("model_tokens_mean", "model_tokens_mean")):  # fmt: skip
+        out[name] = _median([steady(r, key) for r in ok])
+    rows = ok[0]["steps"][0]["trajectories"]
+    out["completion_tokens"] = out["model_tokens_mean"] * rows
+    out["update_tokens"] = _median(
+        [sum(r["update_tokens"][1:]) / max(1, len(r["update_tokens"]) - 1) for r in ok]
+    )
+    out["parts_mb"] = ok[0]["parts"]
+    out["phase_peak_mb"] = {k: max(v) for k, v in ok[0]["peaks"].items()}
+    out["bounds"] = bounds(side, out, ceiling, rows)
+    return out
 
 
-def print_results(sides: dict[str, dict[str, Any]]) -> None:
-    """The comparison table."""
+def bounds(side: str, r: dict[str, Any], ceiling: dict[str, Any], rows: int) -> dict[str, Any]:
+    """Rollout and update throughput as fractions of the machine's ceilings for them."""
+    if not ceiling:
+        return {}
+    params = ceiling["params"]
+    dtype = "bf16" if "bf16" in side else "fp32"
+    flops = ceiling[dtype]
+    # fwd+bwd of the policy (2N + 4N per token) and a forward of the reference (2N)
+    update_flops_per_token = 6 * params + (2 * params if r["ref_s"] > 0 else 0)
+    rate = statistics.mean([flops["layers forward"], flops["layers backward"]])
+    tokens = r["update_tokens"]
+    update_tok_s = tokens / max(r["update_s"] + r["ref_s"] + r["old_s"], 1e-9)
+    update_ceiling = rate / update_flops_per_token
+    bytes_per_step = params * (2 if "bf16" in side and "vllm" in side else 4)
+    decode_ceiling = ceiling["bandwidth_gb_s"] * 1e9 / bytes_per_step * rows  # tokens/s
+    rollout_tok_s = r["completion_tokens"] / max(r["rollout_s"], 1e-9)
+    return {
+        "update_tok_s": update_tok_s,
+        "update_ceiling_tok_s": update_ceiling,
+        "update_fraction": update_tok_s / update_ceiling,
+        "rollout_tok_s": rollout_tok_s,
+        "rollout_ceiling_tok_s": decode_ceiling,
+        "rollout_fraction": rollout_tok_s / decode_ceiling,
+    }
+
+
+def print_results(sides: dict[str, dict[str, Any]], ceiling: dict[str, Any]) -> None:
+    """The comparison table, the phases, and the ceilings."""
+    trl = sides.get("trl", {}).get("step_s") if sides.get("trl", {}).get("ok") else None
     rows = []
     for name, r in sides.items():
         if not r["ok"]:
-            rows.append([name, "did not run"] + [None] * 8)
+            rows.append([name, "did not run"] + [None] * 9)
             continue
-        rows.append([name, r["prompt_tokens"], r["completion_tokens"], r["generate"]["seconds"],
-                     r["update"]["seconds"], r["update_tokens_per_s"],
-                     r["update_trained_tokens_per_s"], r["generate"]["rss_growth_mb"],
-                     r["update"]["rss_growth_mb"], r["process_peak_rss_mb"]])  # fmt: skip
-    columns = ["impl", "prompt tok", "completion tok", "generate s", "update s", "update tok/s",
-               "trained tok/s", "gen +RSS MiB", "update +RSS MiB", "process peak MiB"]  # fmt: skip
-    print_table("one GRPO step (medians over repeats)", columns, rows)
+        rows.append([name, r["step_s"], (trl / r["step_s"]) if trl else None,
+                     r["peak_rss_mb"] / 1024, r["completion_tokens"], r["rollout_s"],
+                     r.get("ref_s"), r.get("update_s"), r.get("push_s"),
+                     r.get("mismatch")])  # fmt: skip
+    print_table("steady GRPO step (medians over rounds)",
+                ["impl", "s/step", "x TRL", "peak RSS GiB", "completion tok", "rollout s",
+                 "pi_ref s", "update s", "push s", "logprob mismatch"], rows)  # fmt: skip
+    for name, r in sides.items():
+        if r.get("ok") and "parts_mb" in r:
+            parts = [[k, v] for k, v in r["parts_mb"].items()]
+            parts += [[f"peak RSS in {k}", v] for k, v in r["phase_peak_mb"].items()]
+            print_table(f"{name}: memory by part (MiB)", ["part", "MiB"], parts)
+    if ceiling:
+        bound_rows = [[n, b["rollout_tok_s"], b["rollout_ceiling_tok_s"], b["rollout_fraction"],
+                       b["update_tok_s"], b["update_ceiling_tok_s"], b["update_fraction"]]
+                      for n, r in sides.items()
+                      if r.get("ok") and (b := r.get("bounds"))]  # fmt: skip
+        print_table("phases against their ceilings",
+                    ["impl", "rollout tok/s", "ceiling", "fraction", "update tok/s", "ceiling",
+                     "fraction"], bound_rows)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Measure each side in its own process and write the results."""
+    """Measure each side in its own process, alternating, and write the results."""
     args = parse_args(argv)
     set_threads(args.threads)
     if args.worker:
         exit_on_sigterm()
         torch.manual_seed(args.seed)
-        worker = worker_ours if args.worker == "ours" else worker_trl
-        write_child_result(args.result, worker(args))
+        workers = {"trl": worker_trl, "ceiling": worker_ceiling}
+        result = workers.get(args.worker, worker_ours)(args)
+        write_child_result(args.result, {**result, "peak_rss_mb": process_peak_rss_mb()})
         return
     with bench_run("train_throughput", args) as run:
         runs: dict[str, list[dict[str, Any]]] = {side: [] for side in args.sides}
-        for _ in range(args.repeats):
+        ceilings = []
+        for _ in range(args.rounds):
+            ceilings.append(measure("ceiling", args))
             for side in args.sides:
                 runs[side].append(measure(side, args))
-        sides = run.results["sides"] = {side: combine(r) for side, r in runs.items()}
-        if all(sides.get(s, {}).get("ok") for s in ("ours", "trl")):
-            run.results["ours_over_trl_update_speed"] = (
-                sides["ours"]["update_tokens_per_s"] / sides["trl"]["update_tokens_per_s"]
-            )
-        print_results(sides)
+        ok = [c for c in ceilings if c["ok"]]
+        ceiling = max(ok, key=lambda c: c["bandwidth_gb_s"]) if ok else {}
+        run.results["ceiling"] = ceiling
+        run.results["raw"] = runs
+        sides = run.results["sides"] = {s: summarise(s, r, ceiling) for s, r in runs.items()}
+        print_results(sides, ceiling)
 
 
 if __name__ == "__main__":

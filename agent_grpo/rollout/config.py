@@ -38,8 +38,19 @@ class VLLMBackendConfig(ConfigModel):
 
     type: Literal["vllm"] = "vllm"
     """Backend name."""
-    max_model_len: int = 4096
-    """Longest sequence the engine accepts."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The engine's weights and KV cache. bfloat16 halves both and the bytes each decode step
+    reads, at the price of a larger sampler/trainer logprob mismatch (logged every step)."""
+    max_model_len: int | None = Field(default=None, ge=1)
+    """Longest sequence the engine accepts; None: the job's longest episode
+    (`rollout.max_context_tokens`)."""
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    """Most sequences decoded together; None: the most a step or an evaluation samples at
+    once (tasks x group size)."""
+    kv_cache_memory_bytes: int | None = Field(default=None, ge=1)
+    """KV cache size; None: enough for `max_num_seqs` sequences of `max_model_len` tokens (vLLM's
+    own default on CPU takes half the machine's memory). `VLLM_CPU_KVCACHE_SPACE` (GiB), when
+    set, wins over this."""
     gpu_memory_utilization: float = 0.5
     """Fraction of accelerator memory vLLM may take (the trainer needs the rest)."""
     engine_kwargs: dict[str, Any] = {}

@@ -31,7 +31,7 @@ import torch
 from agent_grpo.models import load_model, load_tokenizer
 from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult, Task, collect_groups
 from agent_grpo.rollout.config import BackendConfig, HFBackendConfig, RolloutConfig
-from agent_grpo.rollout.factory import build_backend
+from agent_grpo.rollout.factory import build_backend, rollout_limits
 from agent_grpo.trajectory import TrajectoryRecord
 
 __all__ = ["PendingCollection", "RayRolloutPool", "RolloutWorker", "merge_metrics", "split_tasks"]
@@ -101,7 +101,8 @@ class RolloutWorker:
     ) -> None:
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_model(model_path, dtype=getattr(torch, dtype))
-        self.backend = build_backend(backend, self.model, self.tokenizer, model_path)
+        limits = rollout_limits(collector)
+        self.backend = build_backend(backend, self.model, self.tokenizer, model_path, None, limits)
         self.collector = collector
         self.version = 0
         """The policy version of the weights this worker samples with (see `update_weights`)."""

@@ -114,21 +114,39 @@ def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[lis
 def micro_batches(
     batch: PackedBatch, max_tokens: int, *, by_group: bool, rows: Sequence[int] | None = None
 ) -> list[list[int]]:
-    """Row groups for forward passes: token-sized, and within one GRPO group when `by_group`.
+    """Row groups for forward passes, token-sized (padded rows x longest <= `max_tokens`); with
+    `by_group`, a GRPO group is never split unless it alone is too large.
 
     Only `rows` (default: all) are placed. Keeping a group together lets its members share one
-    pass over their common prompt (`shared_prefix_token_logprobs`).
+    pass over their common prompt (`shared_prefix_token_logprobs`). Whole groups that fit
+    together share a micro-batch (their common prefix is then the system prompt): fewer, larger
+    passes, and one backward per optimizer step, which `algo.optimizer_in_backward` needs to
+    hold no whole-model gradient.
     """
     wanted = list(range(batch.input_ids.shape[0])) if rows is None else list(rows)
     lengths = batch.attention_mask.sum(dim=1).tolist()
+    if not by_group:
+        parts = micro_batches_by_tokens([lengths[r] for r in wanted], max_tokens)
+        return [[wanted[i] for i in part] for part in parts]
     buckets: dict[int, list[int]] = {}
     for row in wanted:
-        key = int(batch.group_index[row]) if by_group else 0
-        buckets.setdefault(key, []).append(row)
-    out = []
+        buckets.setdefault(int(batch.group_index[row]), []).append(row)
+    out: list[list[int]] = []
+    current: list[int] = []
     for members in buckets.values():
-        for part in micro_batches_by_tokens([lengths[r] for r in members], max_tokens):
-            out.append([members[i] for i in part])
+        together = current + members
+        if max(lengths[r] for r in together) * len(together) <= max_tokens:
+            current = together
+            continue
+        if current:
+            out.append(current)
+        current = members
+        if max(lengths[r] for r in members) * len(members) > max_tokens:  # split it alone
+            parts = micro_batches_by_tokens([lengths[r] for r in members], max_tokens)
+            out.extend([members[i] for i in part] for part in parts)
+            current = []
+    if current:
+        out.append(current)
     return out
 
 

@@ -47,7 +47,8 @@ class ModelConfig(ConfigModel):
     """An embedded model name, a local Hugging Face directory, or a Hugging Face hub id."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of the forward passes (training and `hf` sampling). Parameters, and so the
-    optimizer's master weights, stay fp32; bfloat16 runs under autocast."""
+    optimizer's master weights, stay fp32; bfloat16 runs under autocast. The frozen reference
+    (`algo.beta > 0`) is held in this dtype: it has no optimizer to keep fp32 weights for."""
     lora: LoraSettings | None = None
     """Train a LoRA adapter (peft) instead of every weight; None: full fine-tuning."""
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
@@ -162,6 +163,17 @@ class TrainConfig(ConfigModel):
                 f"algo.minibatches={self.algo.minibatches} is more than the {rows} trajectories "
                 "of a step (rollout.tasks_per_step x rollout.group_size): some minibatches "
                 "would be empty"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _in_backward_alone(self) -> TrainConfig:
+        if self.algo.recompute_mlp and self.distributed.mode == "fsdp":
+            raise ValueError("algo.recompute_mlp with distributed.mode=fsdp is not built")
+        if self.algo.optimizer_in_backward and self.distributed.mode != "none":
+            raise ValueError(
+                f"algo.optimizer_in_backward with distributed.mode={self.distributed.mode} is "
+                "not built: DDP and FSDP reduce gradients after backward, not one by one"
             )
         return self
 

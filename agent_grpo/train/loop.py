@@ -43,9 +43,10 @@ from agent_grpo.logs import get_logger
 from agent_grpo.models import load_tokenizer, resolve_model_path
 from agent_grpo.preflight import preflight_train
 from agent_grpo.registry import make_env
-from agent_grpo.rollout.factory import build_backend
+from agent_grpo.rollout.factory import build_backend, rollout_limits
 from agent_grpo.rollout.summary import summarize_trajectories
 from agent_grpo.store import RunDir
+from agent_grpo.train.backward_steps import BackwardSteps
 from agent_grpo.train.batch import PackedBatch, pack_records
 from agent_grpo.train.checkpoint import TrainerState, read_state, restore, save
 from agent_grpo.train.config import AlgoConfig, TrainConfig
@@ -60,6 +61,7 @@ from agent_grpo.train.metrics import (
 )
 from agent_grpo.train.parallel import DistContext, broadcast_object
 from agent_grpo.train.progress import RunProgress
+from agent_grpo.train.recompute import recompute_mlps
 from agent_grpo.train.step_log import DeadStepWatch, open_tensorboard, record_step
 from agent_grpo.train.trainer import (
     Trainer,
@@ -152,21 +154,26 @@ def train_step(
     #    single pass the loss's own forward pass is pi_old, so no extra pass is needed.
     temperature = records[0].sampling_temperature
     progress.phase(f"step {step}: update")
+    clock = PhaseClock()
     before = None
     if not algo.single_pass:
         before = batch_logprobs(trainer.policy, batch, temperature, algo, ctx)  # [B, T]
+    old_s = clock.lap()
     old = batch.sampler_logprobs if algo.old_logprobs == "sampler" else before  # [B, T]
     ref = None
     if trainer.reference is not None:
         ref = batch_logprobs(trainer.reference, batch, temperature, algo, ctx)  # [B, T]
+    ref_s = clock.lap()
     # 5. loss and optimizer steps
     update, first_pass = grpo_update(
         trainer.policy, trainer.optimizer, batch, old, ref, algo, temperature, max_tokens,
-        seed=config.seed * 100_003 + step, ctx=ctx,
+        seed=config.seed * 100_003 + step, ctx=ctx, in_backward=trainer.in_backward,
     )  # fmt: skip
+    update_s = clock.lap()
     trainer_old = first_pass if before is None else before  # [B, T]
     # 6. the engines get the new weights: policy version step + 1
     push_weights(trainer, step + 1)
+    push_s = clock.lap()
     # 7. what the step did
     _annotate(records, trainer_old, ref, batch)
     metrics = StepMetrics(
@@ -183,12 +190,29 @@ def train_step(
         env_failures=rollout.metrics.env_failures,
         step_time_s=time.perf_counter() - started,
         rollout_wait_time_s=waited,
+        old_logprobs_time_s=old_s,
+        reference_time_s=ref_s,
+        update_time_s=update_s,
+        weight_push_time_s=push_s,
         reward_means=reward_means(records),
         staleness=staleness(rollout, step),
         stale_dropped=rollout.metrics.stale_dropped,
         worker_failures=rollout.metrics.worker_failures,
     )
     return metrics, records
+
+
+class PhaseClock:
+    """Seconds between successive `lap` calls: the step's phase timings."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        """Seconds since the last lap (or since the clock started)."""
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        return seconds
 
 
 def _annotate(
@@ -264,13 +288,19 @@ def _train(
     tokenizer = load_tokenizer(model_path)
     dtype = compute_dtype(config)
     policy = load_policy(config, checkpoint, ctx).to(ctx.device).eval()
+    if config.algo.recompute_mlp:
+        recompute_mlps(policy)
     sampler = sampler_model(policy, config, ctx)
     backend = None
     if sampler is not None:
         engine_path = (
             resolve_model_path(config.model.name_or_path) if config.model.lora else model_path
         )
-        backend = build_backend(config.rollout.backend, sampler, tokenizer, engine_path, dtype)
+        eval_rows = config.eval.tasks * config.eval.samples if config.eval else 0
+        limits = rollout_limits(config.rollout, eval_rows)
+        backend = build_backend(
+            config.rollout.backend, sampler, tokenizer, engine_path, dtype, limits
+        )
         if config.model.lora and checkpoint is not None:  # an engine started from the base
             backend.update_weights(engine_copy(sampler, backend))
     stop = env_stop_strings(config.env.id, config.env.kwargs)
@@ -291,13 +321,14 @@ def _train(
     optimizer = torch.optim.AdamW(
         trainable, lr=config.algo.lr, weight_decay=config.algo.weight_decay
     )
+    in_backward = BackwardSteps(optimizer) if config.algo.optimizer_in_backward else None
     rollouts = None
     if backend is not None and sampler is not None:
         rollouts = build_rollouts(config, backend, tokenizer, stop, model_path)
     trainer = Trainer(
         policy=policy, reference=reference, optimizer=optimizer, tokenizer=tokenizer, stop=stop,
         backend=backend, sampler=sampler, ctx=ctx, mode=config.distributed.mode,
-        rollouts=rollouts,
+        rollouts=rollouts, in_backward=in_backward,
     )  # fmt: skip
     keep = config.run.keep_checkpoints
     if checkpoint is not None:

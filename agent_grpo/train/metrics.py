@@ -327,6 +327,14 @@ class StepMetrics(BaseModel):
     rollout_wait_time_s: float
     """Seconds the trainer waited for this step's rollouts (with asynchronous workers, what
     sampling ahead did not hide; synchronous, the whole rollout)."""
+    old_logprobs_time_s: float = 0.0
+    """Seconds of the pi_old forward pass before the update (0 with `algo.single_pass`)."""
+    reference_time_s: float = 0.0
+    """Seconds of the pi_ref forward pass (0 without a reference)."""
+    update_time_s: float = 0.0
+    """Seconds of the optimizer steps (forward, backward, optimizer)."""
+    weight_push_time_s: float = 0.0
+    """Seconds to give the engines the new weights."""
     reward_means: dict[str, float]
     """Mean of each reward component before weighting (`verifier`, then each extra source by
     name) over the counted episodes; written as `rewards/<name>/mean`, as TRL logs them."""

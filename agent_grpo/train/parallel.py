@@ -307,8 +307,12 @@ def wrap_reference(
     compute_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """A frozen `LogprobModel(model)` for `update.batch_logprobs`: sharded like the policy
-    under FSDP2, a whole copy per rank otherwise (DDP only wraps modules that train)."""
-    frozen = model.requires_grad_(False).to(ctx.device)
+    under FSDP2, a whole copy per rank otherwise (DDP only wraps modules that train).
+
+    Its weights are cast to `compute_dtype`: a model that never trains needs no fp32 master
+    copy, and bf16 autocast would cast every matmul weight to bf16 anyway (norms and the
+    embedding lookup, which autocast leaves in fp32, also run in bf16 then)."""
+    frozen = model.requires_grad_(False).to(ctx.device, compute_dtype)
     wrapped = LogprobModel(frozen, mode != "fsdp", compute_dtype)
     return _fully_shard(wrapped) if mode == "fsdp" else wrapped
 
@@ -369,13 +373,15 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str,
     optimizer.load_state_dict({"state": by_index, "param_groups": state["param_groups"]})
 
 
-def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> Tensor:
-    """Clip to the global gradient norm; DTensor (FSDP2) shards are combined across ranks."""
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -> Tensor:
+    """The global gradient norm, to which gradients are clipped (`max_norm=None`: measured
+    only); DTensor (FSDP2) shards are combined across ranks."""
     params = [p for p in parameters if p.grad is not None]
     total = torch.nn.utils.get_total_norm([cast(Tensor, p.grad) for p in params])
     full = getattr(total, "full_tensor", None)  # a DTensor norm is a partial (per-shard) one
     total = full() if full is not None else total
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
 

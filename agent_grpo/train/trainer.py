@@ -18,6 +18,7 @@ from agent_grpo.models import load_model, resolve_model_path
 from agent_grpo.rollout.backend import GenerationBackend
 from agent_grpo.rollout.collector import RolloutResult
 from agent_grpo.store import RunDir
+from agent_grpo.train.backward_steps import BackwardSteps
 from agent_grpo.train.config import TrainConfig
 from agent_grpo.train.lora import load_adapter, merged_copy, wrap_lora
 from agent_grpo.train.parallel import (
@@ -75,6 +76,8 @@ class Trainer:
     """`distributed.mode`: how the policy is split over ranks."""
     rollouts: RolloutSource | None = None
     """Where training rollouts come from (the engine above, or Ray workers); rank 0 only."""
+    in_backward: BackwardSteps | None = None
+    """With `algo.optimizer_in_backward`, the hooks that step `optimizer` inside backward."""
 
 
 def compute_dtype(config: TrainConfig) -> torch.dtype:

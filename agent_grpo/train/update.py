@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from agent_grpo.algo.config import AlgoConfig
 from agent_grpo.algo.objective import grpo_micro_batch_loss, loss_denominator
 from agent_grpo.logs import get_logger
+from agent_grpo.train.backward_steps import BackwardSteps
 from agent_grpo.train.batch import PackedBatch, micro_batches, rows_with_loss
 from agent_grpo.train.metrics import UpdateMetrics, UpdateStats
 from agent_grpo.train.parallel import (
@@ -75,12 +76,15 @@ def minibatch_update(
     temperature: float,
     max_tokens: int,
     ctx: DistContext | None = None,
+    in_backward: BackwardSteps | None = None,
 ) -> tuple[UpdateMetrics, Tensor]:
     """One optimizer step over a minibatch (this rank's groups of it).
 
     `policy` is a `wrap_policy` module; `old`, `ref` are `[B, T]` (`old=None`: on-policy, pi_old
-    is this very forward pass, detached). Returns the metrics, identical on every rank, and the
-    trainer's logprobs `[B, T]` of the rows that were run (NaN elsewhere).
+    is this very forward pass, detached). With `in_backward` (`algo.optimizer_in_backward`) the
+    last micro-batch's backward steps `optimizer`'s parameters one by one. Returns the metrics,
+    identical on every rank, and the trainer's logprobs `[B, T]` of the rows that were run (NaN
+    elsewhere).
     """
     ctx = ctx or DistContext()
     rows = shard_rows(batch.input_ids.shape[0], ctx, batch.group_index)
@@ -113,6 +117,9 @@ def minibatch_update(
                 max_tokens=max_tokens,
                 denominator=denominator,
             )
+            if in_backward is not None:  # a non-finite loss never reaches a step
+                loss_so_far = stats.loss + float(out.loss.detach())
+                in_backward.arm(k == len(micro) - 1 and math.isfinite(loss_so_far))
             (out.loss * ctx.world_size).backward()  # DDP/FSDP average over ranks
         seen[group, :width] += logprobs.detach().cpu() * trains
         written[group, :width] += trains
@@ -120,13 +127,21 @@ def minibatch_update(
     stats = UpdateStats.from_tensors(
         global_sum(stats.sums(), ctx), global_max(stats.extremes(), ctx)
     )
-    grad_norm = float(clip_grad_norm(policy.parameters(), algo.max_grad_norm))
-    skipped = not (math.isfinite(grad_norm) and math.isfinite(stats.loss))
-    if skipped:  # the same decision on every rank: both figures are global
-        log.error("non-finite loss %s or gradient norm %s: optimizer step skipped, weights "
-                  "untouched", stats.loss, grad_norm)  # fmt: skip
+    if in_backward is not None:
+        in_backward.arm(False)
+        grad_norm = in_backward.grad_norm()
+        skipped = in_backward.nonfinite > 0 or not math.isfinite(stats.loss)
+        if skipped:
+            log.error("non-finite loss %s or gradient (%d parameters): those steps skipped",
+                      stats.loss, in_backward.nonfinite)  # fmt: skip
     else:
-        optimizer.step()
+        grad_norm = float(clip_grad_norm(policy.parameters(), algo.max_grad_norm))
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(stats.loss))
+        if skipped:  # the same decision on every rank: both figures are global
+            log.error("non-finite loss %s or gradient norm %s: optimizer step skipped, weights "
+                      "untouched", stats.loss, grad_norm)  # fmt: skip
+        else:
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     metrics = UpdateMetrics.of_step(stats, grad_norm, ref is not None, skipped)
     return metrics, _gather_rows(seen, written, ctx)
@@ -143,6 +158,7 @@ def grpo_update(
     max_tokens: int,
     seed: int,
     ctx: DistContext | None = None,
+    in_backward: BackwardSteps | None = None,
 ) -> tuple[UpdateMetrics, Tensor]:
     """`epochs` passes of `minibatches` optimizer steps over the step's batch.
 
@@ -164,7 +180,7 @@ def grpo_update(
                 policy, optimizer, part,
                 None if old is None else old[index, :width],
                 None if ref is None else ref[index, :width],
-                algo, temperature, max_tokens, ctx,
+                algo, temperature, max_tokens, ctx, in_backward,
             )  # fmt: skip
             history.append(metrics)
             if epoch == 0:
