@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -80,8 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.04, help="KL weight (k3)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sides", nargs="+", default=["trl", "hf", "hf-lean", "hf-bf16", "vllm",
-                                                  "vllm-lean", "vllm-bf16"],
+    p.add_argument("--sides", nargs="+", default=["trl", "hf", "hf-lean", "vllm", "vllm-lean",
+                                                  "vllm-bf16"],
                    choices=["trl", *SIDES])  # fmt: skip
     p.add_argument("--algo", default="{}", help="JSON: algo settings for our sides")
     p.add_argument("--rounds", type=int, default=2, help="runs per side, alternating sides")
@@ -229,6 +230,7 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
     wall = time.perf_counter() - started
     rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step_time_s" in r]
+    shutil.rmtree(root)  # two checkpoints of 1.6 GB each: a full bench would fill the disk
     return {
         "steps": steps,
         "peaks": watch.peaks,
@@ -301,6 +303,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
     trainer._generate_and_score_completions = timed_generate  # type: ignore[method-assign,assignment]
     trainer.add_callback(StepClock())
     trainer.train()
+    shutil.rmtree(config.output_dir, ignore_errors=True)
     return {"steps": steps}
 
 

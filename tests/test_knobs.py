@@ -55,6 +55,11 @@ MATRIX: dict[str, list[str]] = {
         "algo.kl=k3", "algo.drop_dead_groups=true"],
     "all-dead-dynamic": [DEAD, "algo.dynamic_sampling=true",
         "algo.dynamic_sampling_max_rounds=1"],
+    "lean-bf16-epochs2-mb2-k3": [EVEN, "algo.optimizer_in_backward=true",
+        "algo.max_grad_norm=null", "algo.recompute_mlp=true", "model.dtype=bfloat16",
+        "algo.beta=0.04", "algo.kl=k3", "algo.epochs=2", "algo.minibatches=2",
+        "algo.micro_batch_tokens=64"],
+    "all-dead-in-backward": [DEAD, "algo.optimizer_in_backward=true", "algo.max_grad_norm=null"],
     "nan-reward": [NAN],
     "nan-reward-mb2-k2-rloo-tis-sumnorm": [NAN, "algo.minibatches=2", "algo.beta=0.04",
         "algo.leave_one_out=true", "algo.tis_cap=2.0", "algo.aggregation=seq-mean-token-sum-norm"],
@@ -66,7 +71,14 @@ SAME_UPDATE: list[tuple[str, list[str], list[str]]] = [
      [EVEN, "algo.skip_zero_advantage=false"]),
     ("micro-batch-tokens", [EVEN, "algo.beta=0.04", "algo.micro_batch_tokens=4096"],
      [EVEN, "algo.beta=0.04", "algo.micro_batch_tokens=48"]),
+    ("optimizer-in-backward", [EVEN, "algo.max_grad_norm=null"],
+     [EVEN, "algo.max_grad_norm=null", "algo.optimizer_in_backward=true"]),
+    ("recompute-mlp", [EVEN, "algo.beta=0.04", "algo.recompute_mlp=true"],
+     [EVEN, "algo.beta=0.04", "algo.recompute_mlp=false"]),
 ]  # fmt: skip
+SAME_ARITHMETIC = {"optimizer-in-backward", "recompute-mlp"}
+"""Pairs that run the very same float operations (AdamW per tensor; the MLP recomputed as it
+ran): their weights after step 0 agree, so step 1 is compared too."""
 COMPARED = ["loss", "grad_norm", "clip_frac", "approx_kl_old", "ratio_mean", "trained_tokens"]
 FIRST_STEP_ATOL = 64 * torch.finfo(torch.float32).eps
 """Step-0 figures of two paths over the same weights and batch: fp32 sums of ~100 O(1) terms in
@@ -139,8 +151,12 @@ def test_every_knob_combination_trains(tmp_path: Path, tiny_model_dir: Path, nam
 def test_equivalent_settings_take_the_same_first_step(
     tmp_path: Path, tiny_model_dir: Path, name: str, a: list[str], b: list[str]
 ) -> None:
-    first = rows(run_steps(tmp_path, tiny_model_dir, f"{name}-a", a))[0]
-    second = rows(run_steps(tmp_path, tiny_model_dir, f"{name}-b", b))[0]
+    runs_a = rows(run_steps(tmp_path, tiny_model_dir, f"{name}-a", a))
+    runs_b = rows(run_steps(tmp_path, tiny_model_dir, f"{name}-b", b))
+    first, second = runs_a[0], runs_b[0]
     assert first["trained_tokens"] > 0 and first["grad_norm"] > 0
     for key in COMPARED:
         assert first[key] == pytest.approx(second[key], rel=1e-5, abs=FIRST_STEP_ATOL), key
+    if name in SAME_ARITHMETIC:  # step 0's update was the same, so step 1 samples the same
+        for key in COMPARED:
+            assert runs_a[1][key] == pytest.approx(runs_b[1][key], rel=1e-5, abs=FIRST_STEP_ATOL)
