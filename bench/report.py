@@ -178,9 +178,9 @@ def train_section(r: Result) -> str:
     for name, x in sides.items():
         if not x["ok"]:
             error = (x.get("error") or "").strip().splitlines()
-            rows.append([name, "did not run: " + (error[0] if error else "?")] + [None] * 10)
+            rows.append([name, "did not run: " + (error[0] if error else "?")] + [None] * 11)
             continue
-        rows.append([name, x["step_s"], trl_s / x["step_s"] if trl_s else None,
+        rows.append([name, x["runs"], x["step_s"], trl_s / x["step_s"] if trl_s else None,
                      x["peak_rss_mb"] / 1024, x["peak_rss_mb"] / trl_mb if trl_mb else None,
                      x["completion_tokens"], x["rollout_s"], x.get("ref_s"), x.get("update_s"),
                      x.get("push_s"), x.get("mismatch")])  # fmt: skip
@@ -192,6 +192,9 @@ def train_section(r: Result) -> str:
                            b["rollout_fraction"], b["update_tok_s"], b["update_ceiling_tok_s"],
                            b["update_fraction"]])  # fmt: skip
     notes = "; ".join(f"`{k}`: {v}" for k, v in SIDE_NOTES.items() if k in sides)
+    failed = [f"`{name}` round {i + 1}: " + _last_error_line(run.get("error") or "")
+              for name, runs in res.get("raw", {}).items()
+              for i, run in enumerate(runs) if not run["ok"]]  # fmt: skip
     out = [
         "## Whole GRPO steps vs TRL (`bench/train_throughput.py`)",
         run_line(r),
@@ -202,10 +205,14 @@ def train_section(r: Result) -> str:
         f"{s['rounds']} round(s) of fresh processes with the sides alternating. Peak RSS is the "
         "whole process's (vLLM's engine runs inside it), with glibc's default allocator "
         f"settings. Sides: {notes}.",
-        md_table(["impl", "s/step", "x TRL", "peak RSS GiB", "x TRL memory", "completion tokens",
+        md_table(["impl", "runs", "s/step", "x TRL", "peak RSS GiB", "x TRL memory",
+                  "completion tokens",
                   "rollout s", "pi_ref s", "update s", "weight push s",
                   "sampler/trainer logprob mismatch"], rows),
     ]  # fmt: skip
+    if failed:
+        out.append("Runs that failed (a side's figures are the medians of the others): "
+                   + "; ".join(failed) + ".")  # fmt: skip
     if parts:
         out += [
             "Memory by part (MiB): persistent tensors read off the objects, the engine as the "
@@ -228,6 +235,12 @@ def train_section(r: Result) -> str:
                       "update ceiling", "fraction"], bounds),
         ]  # fmt: skip
     return "\n\n".join(out)
+
+
+def _last_error_line(error: str) -> str:
+    """The exception line of a child's output tail (its last line naming an Error)."""
+    lines = [line.strip(": ").strip() for line in error.splitlines() if "Error" in line]
+    return lines[-1] if lines else (error.strip().splitlines() or ["?"])[0]
 
 
 PARTS = ("policy weights", "reference weights", "optimizer state", "gradients (peak held)",

@@ -23,8 +23,13 @@ def _records() -> list:
     def ids(n: int) -> list[int]:
         return torch.randint(3, 1000, (n,), generator=g).tolist()
 
-    records = group_records("a", ids(13), [ids(5), ids(3), ids(6)], [1.0, -0.5, -0.5])
-    return records + group_records("b", ids(9), [ids(4), ids(7)], [0.7, -0.7])
+    system = ids(6)  # both groups' prompts start alike: a packed micro-batch shares a prefix
+    records = group_records("a", system + ids(7), [ids(5), ids(3), ids(6)], [1.0, -0.5, -0.5])
+    return records + group_records("b", system + ids(3), [ids(4), ids(7)], [0.7, -0.7])
+
+
+HYPER = {"lr": 3e-3, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1}
+"""Not AdamW's defaults: each parameter's step must use the master optimizer's settings."""
 
 
 def _train(model: torch.nn.Module, algo: AlgoConfig, steps: int, in_backward: bool,
@@ -32,10 +37,10 @@ def _train(model: torch.nn.Module, algo: AlgoConfig, steps: int, in_backward: bo
     """`steps` minibatch updates on a copy of `model`; returns it, the metrics, the optimizer."""
     model = copy.deepcopy(model)
     policy = wrap_policy(model, "none", DistContext())
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3, weight_decay=0.01)
-    if state is not None:
-        optimizer.load_state_dict(state)
+    optimizer = torch.optim.AdamW(policy.parameters(), **HYPER)
     hooks = BackwardSteps(optimizer) if in_backward else None
+    if state is not None:  # as a resume does: the hooks exist, then the state is loaded
+        optimizer.load_state_dict(state)
     batch = pack_records(_records(), 2)
     metrics = []
     for _ in range(steps):
@@ -93,6 +98,23 @@ def test_no_gradient_outlives_its_step(tiny_model) -> None:
     assert all(p.grad is None for p in params)
 
 
+def test_norm_and_counts_start_afresh_each_minibatch(tiny_model) -> None:
+    """A minibatch with nothing to train reports no norm, not the previous minibatch's."""
+    model, _ = tiny_model
+    policy = wrap_policy(copy.deepcopy(model), "none", DistContext())
+    optimizer = torch.optim.AdamW(policy.parameters(), **HYPER)
+    hooks = BackwardSteps(optimizer)
+    algo = AlgoConfig(max_grad_norm=None, optimizer_in_backward=True)
+    batch = pack_records(_records(), 2)
+    first, _ = minibatch_update(policy, optimizer, batch, None, None, algo, 1.0, 16,
+                                in_backward=hooks)  # fmt: skip
+    dead = pack_records(_records(), 2)
+    dead.advantages.zero_()  # every row skipped (beta 0): no forward, no backward
+    second, _ = minibatch_update(policy, optimizer, dead, None, None, algo, 1.0, 16,
+                                 in_backward=hooks)  # fmt: skip
+    assert first.grad_norm > 0 and second.grad_norm == 0 and second.skipped_steps == 0
+
+
 def test_resumes_from_the_checkpointed_state(tiny_model) -> None:
     model, _ = tiny_model
     algo = AlgoConfig(max_grad_norm=None, optimizer_in_backward=True)
@@ -140,6 +162,8 @@ def test_bf16_reference_keeps_no_fp32_copy(tiny_model) -> None:
     autocast = wrap_policy(copy.deepcopy(model), "none", ctx, torch.bfloat16)
     held = wrap_reference(copy.deepcopy(model), "none", ctx, torch.bfloat16)
     assert {p.dtype for p in held.parameters()} == {torch.bfloat16}
+    # RoPE's inverse frequencies stay fp32: in bf16 they would turn late positions' angles
+    assert {b.dtype for b in held.buffers() if b.is_floating_point()} == {torch.float32}
     assert sum(p.numel() * p.element_size() for p in held.parameters()) * 2 == sum(
         p.numel() * p.element_size() for p in fp32.parameters()
     )

@@ -55,3 +55,19 @@ def test_refused_under_fsdp() -> None:
         TrainConfig.model_validate(
             {"algo": {"recompute_mlp": True}, "distributed": {"mode": "fsdp"}}
         )
+
+
+def test_a_copy_recomputes_its_own_weights(tiny_model) -> None:
+    """The reference is a deepcopy of the policy: its MLPs must run its own (frozen) weights,
+    not the live policy's."""
+    model, _ = tiny_model
+    policy = copy.deepcopy(model)
+    recompute_mlps(policy)
+    reference = copy.deepcopy(policy)
+    for p in policy.parameters():  # the policy trains on; the copy must not follow
+        p.data.add_(0.05)
+    x = torch.randn(1, 3, policy.config.hidden_size)
+    mlp, frozen = policy.model.layers[0].mlp, reference.model.layers[0].mlp
+    with torch.no_grad():
+        assert torch.equal(frozen(x), type(frozen).forward(frozen, x))
+        assert not torch.equal(frozen(x), mlp(x))

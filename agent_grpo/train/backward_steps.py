@@ -45,19 +45,22 @@ class BackwardSteps:
         """Whether the next backward completes the minibatch's gradients (and so steps)."""
         self._squares: list[Tensor] = []
         self.nonfinite = 0
-        """Parameters whose step was skipped for a non-finite gradient since `arm`."""
+        """Parameters whose step was skipped for a non-finite gradient since `reset`."""
         self._hooks = [p.register_post_accumulate_grad_hook(self._step) for p in self._single]
+
+    def reset(self) -> None:
+        """Start a minibatch: disarmed, with no gradient norm or skipped parameter counted."""
+        self.armed, self._squares, self.nonfinite = False, [], 0
 
     def arm(self, armed: bool) -> None:
         """Step in the coming backward (`True`: its gradients are the minibatch's last) or keep
         accumulating (`False`)."""
-        if armed and not self.armed:
-            self._squares, self.nonfinite = [], 0
         self.armed = armed
 
     def _step(self, param: Tensor) -> None:
         if not self.armed or param.grad is None:
             return
+        # one host sync per parameter on a GPU (the finiteness test); cheap next to a step
         square = param.grad.detach().float().pow(2).sum()  # []
         self._squares.append(square)
         if bool(torch.isfinite(square)):
@@ -71,7 +74,7 @@ class BackwardSteps:
         param.grad = None  # the point: this gradient's memory goes back now
 
     def grad_norm(self) -> float:
-        """The global L2 norm of the gradients stepped since `arm(True)`."""
+        """The global L2 norm of the gradients seen since `reset` (0 if none was)."""
         if not self._squares:
             return 0.0
         return float(torch.stack(self._squares).sum().sqrt())

@@ -112,16 +112,22 @@ def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[lis
 
 
 def micro_batches(
-    batch: PackedBatch, max_tokens: int, *, by_group: bool, rows: Sequence[int] | None = None
+    batch: PackedBatch,
+    max_tokens: int,
+    *,
+    by_group: bool,
+    rows: Sequence[int] | None = None,
+    pack_groups: bool = False,
 ) -> list[list[int]]:
     """Row groups for forward passes, token-sized (padded rows x longest <= `max_tokens`); with
     `by_group`, a GRPO group is never split unless it alone is too large.
 
     Only `rows` (default: all) are placed. Keeping a group together lets its members share one
-    pass over their common prompt (`shared_prefix_token_logprobs`). Whole groups that fit
-    together share a micro-batch (their common prefix is then the system prompt): fewer, larger
-    passes, and one backward per optimizer step, which `algo.optimizer_in_backward` needs to
-    hold no whole-model gradient.
+    pass over their common prompt (`shared_prefix_token_logprobs`). With `pack_groups`, whole
+    groups that fit together share a micro-batch: one backward per optimizer step, which
+    `algo.optimizer_in_backward` needs to hold no whole-model gradient, at the price of each
+    row's own prompt tokens (the common prefix is then what the groups share, such as the
+    system prompt).
     """
     wanted = list(range(batch.input_ids.shape[0])) if rows is None else list(rows)
     lengths = batch.attention_mask.sum(dim=1).tolist()
@@ -135,7 +141,7 @@ def micro_batches(
     current: list[int] = []
     for members in buckets.values():
         together = current + members
-        if max(lengths[r] for r in together) * len(together) <= max_tokens:
+        if pack_groups and max(lengths[r] for r in together) * len(together) <= max_tokens:
             current = together
             continue
         if current:

@@ -178,6 +178,17 @@ class TrainConfig(ConfigModel):
         return self
 
     @model_validator(mode="after")
+    def _engine_fits_episodes(self) -> TrainConfig:
+        backend, longest = self.rollout.backend, self.rollout.max_context_tokens
+        if isinstance(backend, VLLMBackendConfig) and (backend.max_model_len or longest) < longest:
+            raise ValueError(
+                f"rollout.backend.max_model_len={backend.max_model_len} is shorter than "
+                f"rollout.max_context_tokens={longest}: the engine would refuse such episodes "
+                "mid-run; raise it, or leave it unset to follow max_context_tokens"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _async_needs_workers(self) -> TrainConfig:
         ray = self.rollout.workers.type == "ray"
         if self.algo.max_staleness > 0 and not ray:

@@ -309,10 +309,14 @@ def wrap_reference(
     """A frozen `LogprobModel(model)` for `update.batch_logprobs`: sharded like the policy
     under FSDP2, a whole copy per rank otherwise (DDP only wraps modules that train).
 
-    Its weights are cast to `compute_dtype`: a model that never trains needs no fp32 master
+    Its parameters are cast to `compute_dtype`: a model that never trains needs no fp32 master
     copy, and bf16 autocast would cast every matmul weight to bf16 anyway (norms and the
-    embedding lookup, which autocast leaves in fp32, also run in bf16 then)."""
-    frozen = model.requires_grad_(False).to(ctx.device, compute_dtype)
+    embedding lookup, which autocast leaves in fp32, also run in bf16 then). Buffers keep their
+    dtype: RoPE's inverse frequencies in bf16 would turn position 1000's angle by about a
+    radian."""
+    frozen = model.requires_grad_(False).to(ctx.device)
+    for param in frozen.parameters():
+        param.data = param.data.to(compute_dtype)
     wrapped = LogprobModel(frozen, mode != "fsdp", compute_dtype)
     return _fully_shard(wrapped) if mode == "fsdp" else wrapped
 

@@ -15,7 +15,7 @@ second time. The MLP never touches the cache, so it alone is recomputed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import types
 from typing import Any, cast
 
 import torch
@@ -25,13 +25,14 @@ from torch.utils.checkpoint import checkpoint
 __all__ = ["recompute_mlps"]
 
 
-def _recomputed(forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    def run(*args: Any, **kwargs: Any) -> Tensor:
-        if not torch.is_grad_enabled():  # sampling, pi_old / pi_ref passes: nothing to save
-            return forward(*args, **kwargs)
-        return cast(Tensor, checkpoint(forward, *args, use_reentrant=False, **kwargs))
-
-    return run
+def _recomputed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
+    """The module's own class `forward`, under checkpoint when autograd is recording. Bound to
+    the module with `MethodType`, so `copy.deepcopy` of the model rebinds it to the copy (a
+    closure over the original's bound method would keep running the original's weights)."""
+    forward = type(self).forward.__get__(self)
+    if not torch.is_grad_enabled():  # sampling, pi_old / pi_ref passes: nothing to save
+        return cast(Tensor, forward(*args, **kwargs))
+    return cast(Tensor, checkpoint(forward, *args, use_reentrant=False, **kwargs))
 
 
 def recompute_mlps(model: nn.Module) -> int:
@@ -43,5 +44,5 @@ def recompute_mlps(model: nn.Module) -> int:
     if not mlps or any(not isinstance(m, nn.Module) for m in mlps):
         raise NotImplementedError(f"no decoder layers with an `mlp` on {type(model).__name__}")
     for mlp in cast(list[nn.Module], mlps):
-        mlp.forward = _recomputed(mlp.forward)
+        mlp.forward = types.MethodType(_recomputed_forward, mlp)
     return len(mlps)

@@ -8,7 +8,10 @@ of ranks changes the update (agent_grpo/train/parallel.py derives why). In one p
 collective is the identity and no micro-batch is padding.
 
 A non-finite loss or gradient norm skips the optimizer step (weights and optimizer state stay
-as they were), logs an error and counts it in `UpdateMetrics.skipped_steps`.
+as they were), logs an error and counts it in `UpdateMetrics.skipped_steps`. With
+`algo.optimizer_in_backward` a non-finite loss still skips the whole step, but a non-finite
+gradient can only skip its own parameter's step (the others have stepped): it is counted the
+same way (agent_grpo/train/backward_steps.py).
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ def _micro_batches(
     A padding micro-batch reruns one row with its loss masked out (parallel.py's docstring);
     in one process there is none.
     """
-    local = micro_batches(batch, algo.micro_batch_tokens, by_group=algo.shared_prefix, rows=rows)
+    local = micro_batches(batch, algo.micro_batch_tokens, by_group=algo.shared_prefix, rows=rows,
+                          pack_groups=algo.optimizer_in_backward)  # fmt: skip
     count = int(global_max(torch.tensor(len(local)), ctx))
     filler = [rows[-1] if rows else 0]
     return [(g, True) for g in local] + [(filler, False)] * (count - len(local))
@@ -96,6 +100,8 @@ def minibatch_update(
     seen = torch.zeros(batch.input_ids.shape)  # [B, T]
     written = torch.zeros(batch.input_ids.shape)  # [B, T]
     stats = UpdateStats()
+    if in_backward is not None:
+        in_backward.reset()
     for k, (group, trains) in enumerate(micro):
         part = batch.select(group).to(ctx.device)
         width = part.input_ids.shape[1]
