@@ -24,6 +24,7 @@ from isolated import (
     PeakWindow,
     child_env,
     exit_on_sigterm,
+    process_peak_rss_mb,
     run_isolated,
     write_child_result,
 )
@@ -75,7 +76,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             minibatch_update(policy, optimizer, batch, None, None,
                              AlgoConfig(shared_prefix=False), 1.0, args.tokens)  # fmt: skip
     return {**window.as_dict(), "step_s": (time.perf_counter() - started) / 2,
-            "trainable_params": sum(p.numel() for p in trainable)}  # fmt: skip
+            "trainable_params": sum(p.numel() for p in trainable),
+            "process_peak_rss_mb": process_peak_rss_mb()}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(child.error, file=sys.stderr)
                 return 1
             r = child.result
-            run.results[side] = {**r, "process_peak_rss_mb": round(child.max_rss_mb, 1)}
-            rows.append([side, r["trainable_params"], round(child.max_rss_mb),
+            # the window's reset also lowers ru_maxrss: the child's own figure covers both
+            peak = max(r.pop("process_peak_rss_mb"), child.max_rss_mb)
+            run.results[side] = {**r, "process_peak_rss_mb": round(peak, 1)}
+            rows.append([side, r["trainable_params"], round(peak),
                          r["rss_growth_mb"], r["step_s"]])  # fmt: skip
     print_table(f"GRPO step, {args.model} model, {args.rows} x {args.tokens} tokens",
                 ["side", "trainable params", "peak RSS MiB", "growth over 2 steps MiB",
