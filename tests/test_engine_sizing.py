@@ -73,3 +73,14 @@ def test_engine_starts_sized_and_samples(tiny_dir, tokenizer, monkeypatch) -> No
         assert all(1 <= len(g.token_ids) <= 5 for g in out)
     finally:
         backend.close()
+
+
+def test_an_engine_shorter_than_the_episodes_is_refused_at_load() -> None:
+    from agent_grpo.train.config import EvalRunConfig, TrainConfig
+
+    short = {"type": "vllm", "max_model_len": 512}
+    with pytest.raises(ValueError, match=r"rollout\.backend\.max_model_len=512 is shorter"):
+        TrainConfig.model_validate({"rollout": {"backend": short, "max_context_tokens": 768}})
+    with pytest.raises(ValueError, match=r"backend\.max_model_len=512 is shorter"):
+        EvalRunConfig.model_validate({"backend": short, "max_context_tokens": 768})
+    TrainConfig.model_validate({"rollout": {"backend": short, "max_context_tokens": 512}})

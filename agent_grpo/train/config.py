@@ -179,13 +179,7 @@ class TrainConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _engine_fits_episodes(self) -> TrainConfig:
-        backend, longest = self.rollout.backend, self.rollout.max_context_tokens
-        if isinstance(backend, VLLMBackendConfig) and (backend.max_model_len or longest) < longest:
-            raise ValueError(
-                f"rollout.backend.max_model_len={backend.max_model_len} is shorter than "
-                f"rollout.max_context_tokens={longest}: the engine would refuse such episodes "
-                "mid-run; raise it, or leave it unset to follow max_context_tokens"
-            )
+        _check_engine_length(self.rollout.backend, self.rollout.max_context_tokens, "rollout.")
         return self
 
     @model_validator(mode="after")
@@ -221,6 +215,16 @@ class TrainConfig(ConfigModel):
         return self
 
 
+def _check_engine_length(backend: BackendConfig, longest: int, prefix: str) -> None:
+    """A vLLM engine shorter than the job's longest episode would refuse episodes mid-run."""
+    if isinstance(backend, VLLMBackendConfig) and (backend.max_model_len or longest) < longest:
+        raise ValueError(
+            f"{prefix}backend.max_model_len={backend.max_model_len} is shorter than "
+            f"{prefix}max_context_tokens={longest}: the engine would refuse such episodes "
+            "mid-run; raise it, or leave it unset to follow max_context_tokens"
+        )
+
+
 class EvalRunConfig(ConfigModel):
     """`agent-grpo eval`: evaluate a model on an environment's held-out seeds."""
 
@@ -238,3 +242,8 @@ class EvalRunConfig(ConfigModel):
     """What to evaluate."""
     run: RunConfig = RunConfig(name="eval")
     """Output location."""
+
+    @model_validator(mode="after")
+    def _engine_fits_episodes(self) -> EvalRunConfig:
+        _check_engine_length(self.backend, self.max_context_tokens, "")
+        return self
