@@ -59,6 +59,7 @@ from agent_grpo.train.metrics import (
     reward_means,
     signal_metrics,
 )
+from agent_grpo.train.optimizer import adamw
 from agent_grpo.train.parallel import DistContext, broadcast_object
 from agent_grpo.train.progress import RunProgress
 from agent_grpo.train.recompute import recompute_mlps
@@ -318,9 +319,7 @@ def _train(
     reference = make_reference(run, policy, config, resume and checkpoint is not None)
     policy, reference = share_models(policy, reference, config, ctx)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapter alone
-    optimizer = torch.optim.AdamW(
-        trainable, lr=config.algo.lr, weight_decay=config.algo.weight_decay
-    )
+    optimizer = adamw(trainable, lr=config.algo.lr, weight_decay=config.algo.weight_decay)
     in_backward = BackwardSteps(optimizer) if config.algo.optimizer_in_backward else None
     rollouts = None
     if backend is not None and sampler is not None:

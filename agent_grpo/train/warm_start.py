@@ -21,6 +21,7 @@ from agent_grpo.registry import make_env
 from agent_grpo.tokens import TokenBuilder
 from agent_grpo.train.batch import micro_batches_by_tokens, pack_records
 from agent_grpo.train.config import TrainConfig
+from agent_grpo.train.optimizer import adamw
 from agent_grpo.train.parallel import autocast
 from agent_grpo.trajectory import Message, Termination, TrajectoryRecord, TurnRecord
 
@@ -112,7 +113,7 @@ def train_sft(
 
     Batches go to the model's device; `compute_dtype` bf16 runs the forward under autocast."""
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = adamw(model.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(seed)
     losses = []
     model.train()

@@ -1,0 +1,31 @@
+"""The AdamW every trainer here steps (GRPO, the warm start): torch's fused kernel where it runs.
+
+Why fused: torch's default AdamW on CPU is the per-tensor loop of about ten elementwise ops per
+parameter (its `foreach` path is CUDA's); the fused kernel does one pass per tensor. Measured on
+the 135M model in fp32 on 2 cores: 0.10 s a step against 0.57 s (docs/performance.md). The
+arithmetic is AdamW's; its rounding differs from the loop's in the last bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["adamw", "fused_supported"]
+
+
+def fused_supported(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW runs on every one of `params` (CPU or CUDA, floating point)."""
+    devices = {"cpu", "cuda"}
+    return all(p.device.type in devices and torch.is_floating_point(p) for p in params)
+
+
+def adamw(
+    params: Iterable[torch.Tensor], lr: float, weight_decay: float = 0.01
+) -> torch.optim.AdamW:
+    """AdamW over `params`, fused when every parameter supports it."""
+    params = list(params)
+    return torch.optim.AdamW(
+        params, lr=lr, weight_decay=weight_decay, fused=fused_supported(params) or None
+    )
