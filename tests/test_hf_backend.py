@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from agent_grpo.models import DEFAULT_MODEL, build_tiny_model, load_model
 from agent_grpo.rollout.backend import SamplingConfig
@@ -22,6 +24,7 @@ from agent_grpo.rollout.hf_backend import (
     stop_hit,
     stop_window,
 )
+from agent_grpo.rollout.kv_cache import ReservedLayer, reserved_cache
 
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=12)
 QUESTIONS = ["Hi", "What is 17 times 23? Think step by step.", "Name three rivers in Europe."]
@@ -357,3 +360,56 @@ def test_a_batch_shares_one_prefill_of_its_common_prompt(model_and_prompts):
     for a, b in zip(out, alone, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+# --- the reserved KV cache -----------------------------------------------------------------------
+
+
+def test_reserved_layer_holds_what_concatenation_would():
+    """Writes in place, grows past its reservation, drops rows: always `DynamicLayer`'s tensors."""
+    g = torch.Generator().manual_seed(0)
+    reserved, dynamic = ReservedLayer(capacity=6), DynamicLayer()
+    rows = 3
+    for step, width in enumerate([4, 1, 1, 3, 1]):  # 4 + 1 + 1 fits; + 3 outgrows 6 slots
+        keys, values = (torch.randn(rows, 2, width, 5, generator=g) for _ in range(2))
+        got, want = reserved.update(keys, values), dynamic.update(keys, values)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), step
+        assert reserved.get_seq_length() == dynamic.get_seq_length()
+        if step == 2:
+            for layer in (reserved, dynamic):
+                layer.batch_select_indices(torch.tensor([2, 0]))
+            assert torch.equal(reserved.keys, dynamic.keys)
+            rows = 2
+    assert reserved.get_seq_length() == 10
+
+
+def test_decode_steps_write_in_place(model_and_prompts):
+    """Within its reservation a layer's buffer never moves: no per-token copy of the cache."""
+    model, _, prompts = model_and_prompts
+    cache = reserved_cache(len(prompts[1]) + 3)
+    ids = torch.tensor([prompts[1]])
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        start = cache.layers[0].keys.untyped_storage().data_ptr()
+        for _ in range(3):
+            token = out.logits[:, -1:].argmax(-1)
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            assert cache.layers[0].keys.untyped_storage().data_ptr() == start
+    assert cache.get_seq_length() == len(prompts[1]) + 3
+
+
+def test_generation_equals_a_plain_dynamic_cache(model_and_prompts, monkeypatch):
+    """The same tokens and bitwise the same logprobs as concatenating the cache every step."""
+    import agent_grpo.rollout.hf_backend as hf_backend
+
+    model, tokenizer, prompts = model_and_prompts
+    sampling = SamplingConfig(temperature=1.0, max_tokens=10)
+    seeds = [5, 6, 7, 8]
+    batch = [prompts[0], prompts[1], prompts[2], prompts[1]]
+    reserved = HFBackend(model, tokenizer).generate(batch, sampling, seeds)
+    monkeypatch.setattr(
+        hf_backend, "reserved_cache", lambda capacity, past: DynamicCache(ddp_cache_data=past)
+    )
+    plain = HFBackend(model, tokenizer).generate(batch, sampling, seeds)
+    for a, b in zip(reserved, plain, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

@@ -51,6 +51,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from agent_grpo.rollout.backend import Generation, SamplingConfig
+from agent_grpo.rollout.kv_cache import reserved_cache
 from agent_grpo.tokens import turn_end_ids
 
 __all__ = [
@@ -386,15 +387,18 @@ class HFBackend:
         if sampling.max_tokens <= 0:
             return [Generation([], [], "length") for _ in rows]
         started = time.perf_counter()
-        batch = self._prefill(rows, hits)
+        batch = self._prefill(rows, hits, sampling.max_tokens)
         prefilled = time.perf_counter()
         while batch.active:
             self._step(rows, batch, sampling)
         timing = {"prefill_s": prefilled - started, "decode_s": time.perf_counter() - prefilled}
         return [self._finish(row, timing) for row in rows]
 
-    def _prefill(self, rows: list[_Row], hits: list[tuple[int, KV | None]]) -> _Batch:
-        """One forward over every row's uncached suffix, on top of its reused prefix KV."""
+    def _prefill(
+        self, rows: list[_Row], hits: list[tuple[int, KV | None]], max_tokens: int
+    ) -> _Batch:
+        """One forward over every row's uncached suffix, on top of its reused prefix KV, into a
+        cache with room for `max_tokens` more slots."""
         suffixes = [row.prompt[row.reused :] for row in rows]
         width = max(len(s) for s in suffixes)
         ids = torch.zeros(len(rows), width, dtype=torch.long)  # [B, S]
@@ -411,7 +415,7 @@ class HFBackend:
         ).to(self.device)  # [B, L + S]
         self.stats.reused_tokens += sum(reused)
         self.stats.prefill_tokens += sum(len(s) for s in suffixes)
-        cache = DynamicCache(ddp_cache_data=past)
+        cache = reserved_cache(valid.shape[1] + max_tokens, past)
         logits = self._forward(ids.to(self.device), valid, cache)
         return _Batch(list(range(len(rows))), cache, valid, logits)
 

@@ -1,0 +1,91 @@
+"""The `hf` backend's KV cache: transformers' `DynamicCache` with room reserved for the decode.
+
+`DynamicLayer.update` concatenates each new token's keys and values onto the whole cache, so a
+decode step copies every layer's cache once: O(length) per token, O(length^2) per answer. Here each layer's keys and values live in buffers sized, at prefill,
+for the prompt plus every token the call may sample; a step writes its slot in place and the
+layer exposes the filled part as a view. What attention reads is the same tensor values as
+`DynamicLayer` would hand it, so outputs do not change (tests/test_hf_backend.py compares).
+
+Measured on the 135M model in fp32, 8 rows x 48 sampled tokens, 2 threads on this 2-core Xeon
+(median of 3 alternating runs): 102 -> 84 ms a decode step with an 84-token prompt, and
+1,286 -> 482 ms with a 2,190-token prompt, where the copies dominated.
+
+Only what the backend does with a cache is supported: update, the filled `keys`/`values`, and
+`batch_select_indices` when rows finish. Not `crop` or beam search's reordering.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+BatchKV = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per layer (keys, values), each `[B, H, L, D]`."""
+
+__all__ = ["ReservedLayer", "reserved_cache"]
+
+
+class ReservedLayer(DynamicLayer):
+    """One layer's KV in buffers `[B, H, capacity, D]`; `keys`/`values` view the filled slots."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        """Slots reserved at the first update; outgrowing them doubles the buffers (a copy)."""
+        self.length = 0
+        """Filled slots."""
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write `[B, H, n, D]` new keys and values after the filled slots; return the filled."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if self._keys is None or self._values is None or end > self._keys.shape[-2]:
+            self._reserve(key_states, value_states, max(end, self.capacity, 2 * self.length))
+        assert self._keys is not None and self._values is not None
+        self._keys[:, :, self.length : end] = key_states
+        self._values[:, :, self.length : end] = value_states
+        self.length = end
+        self._expose()
+        return self.keys, self.values  # type: ignore[return-value]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows `indices` (a copy of the buffers: only when rows finish)."""
+        if self._keys is None or self._values is None:
+            return
+        self._keys, self._values = self._keys[indices], self._values[indices]
+        self._expose()
+
+    def _reserve(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        old_keys, old_values = self._keys, self._values
+        batch, heads = keys.shape[:2]
+        self._keys = keys.new_empty(batch, heads, capacity, keys.shape[-1])
+        self._values = values.new_empty(batch, heads, capacity, values.shape[-1])
+        if old_keys is not None and old_values is not None and self.length:
+            self._keys[:, :, : self.length] = old_keys[:, :, : self.length]
+            self._values[:, :, : self.length] = old_values[:, :, : self.length]
+
+    def _expose(self) -> None:
+        assert self._keys is not None and self._values is not None
+        self.keys = self._keys[:, :, : self.length]
+        self.values = self._values[:, :, : self.length]
+
+
+def reserved_cache(capacity: int, past: BatchKV | None = None) -> DynamicCache:
+    """A `DynamicCache` of `ReservedLayer`s of `capacity` slots, holding `past` (per layer
+    `[B, H, L, D]` keys and values) if given."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = partial(ReservedLayer, capacity)  # type: ignore[assignment]
+    for layer, (keys, values) in enumerate(past or []):
+        cache.update(keys, values, layer)
+    return cache
