@@ -21,6 +21,7 @@ rather than silently mis-scored.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -32,6 +33,7 @@ __all__ = [
     "common_prefix_length",
     "micro_batch_logprobs",
     "position_ids_from_mask",
+    "prefix_groups",
     "reference_token_logprobs",
     "shared_prefix_token_logprobs",
     "token_logprobs",
@@ -153,48 +155,90 @@ def shared_prefix_token_logprobs(
     model: nn.Module,
     input_ids: Tensor,
     attention_mask: Tensor,
-    prefix_len: int,
+    groups: Sequence[Sequence[int]],
     *,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     target_mask: Tensor | None = None,
 ) -> Tensor:
-    """`token_logprobs` for right-padded rows that share their first `prefix_len` tokens.
+    """`token_logprobs` for right-padded rows whose `groups` (row indices) share prefixes.
 
     The G samples of a GRPO group share the whole prompt (often most of the sequence), so the
-    backbone runs once over the shared prefix and the G suffixes attend to its cached keys and
-    values; gradients flow back through the cache into the one prefix pass. Same result as
-    `token_logprobs` on the full rows, for about `prefix + G * suffix` tokens of work instead of
-    `G * (prefix + suffix)`.
+    backbone runs once over each group's common prefix, all groups in one pass, and every row's
+    suffix attends to its group's cached keys and values in a second pass; gradients flow back
+    through the cache into the prefix pass. Same result as `token_logprobs` on the full rows,
+    for about `sum(prefix) + sum(suffix)` tokens of work instead of `G * (prefix + suffix)` per
+    group, in two passes whatever the number of groups (the matmuls get the rows of all of them).
+
+    A group of one row, or whose rows share at most one token, has no prefix pass: its rows run
+    whole in the suffix pass, their prefix slots masked.
     """
     _check_plain_head(model)
     rows, length = input_ids.shape
-    cached = prefix_len - 1  # the last shared token starts the suffix: its state predicts the next
-    if cached < 1 or rows == 1:
-        return token_logprobs(
-            model,
-            input_ids,
-            attention_mask,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            target_mask=target_mask,
-        )
+    device = input_ids.device
+    # the last shared token starts the suffix: its state predicts the next token
+    cached = [common_prefix_length(input_ids[list(g)], attention_mask[list(g)]) - 1
+              if len(g) > 1 else 0 for g in groups]  # fmt: skip
+    prefixed = [c for c, n in enumerate(cached) if n >= 1]
+    if not prefixed:
+        return token_logprobs(model, input_ids, attention_mask, temperature=temperature,
+                              chunk_size=chunk_size, target_mask=target_mask)  # fmt: skip
+    slot = {c: k for k, c in enumerate(prefixed)}
+    start = torch.zeros(rows, dtype=torch.long)  # [B]: where each row's suffix starts
+    source = torch.zeros(rows, dtype=torch.long)  # [B]: its group's row in the prefix pass
+    for c, members in enumerate(groups):
+        for r in members:
+            start[r], source[r] = cached[c], slot.get(c, 0)
+    start, source = start.to(device), source.to(device)
+    width = max(cached)  # P: prefix slots
+    first_rows = torch.tensor([groups[c][0] for c in prefixed], device=device)
+    prefix_lengths = torch.tensor([cached[c] for c in prefixed], device=device)
+    slots = torch.arange(width, device=device)  # [P]
     backbone = cast(nn.Module, model.get_decoder())  # type: ignore[operator]
-    prefix = backbone(input_ids=input_ids[:1, :cached], use_cache=True)
+    prefix = backbone(
+        input_ids=input_ids[first_rows, :width],  # [C, P]
+        attention_mask=(slots[None] < prefix_lengths[:, None]).long(),  # [C, P], right-padded
+        use_cache=True,
+    )
     cache = prefix.past_key_values
-    cache.batch_repeat_interleave(rows)  # [1, ...] -> [G, ...], differentiable
-    positions = torch.arange(cached, length, device=input_ids.device).expand(rows, -1)  # [G, S]
+    for layer in cache.layers:  # [C, ...] -> [B, ...]; index_select's backward is index_add
+        layer.keys = layer.keys.index_select(0, source)
+        layer.values = layer.values.index_select(0, source)
+    lengths = attention_mask.sum(dim=1)  # [B]
+    suffix_width = int((lengths - start).max())  # S
+    steps = torch.arange(suffix_width, device=device)  # [S]
+    suffix_slots = (start[:, None] + steps[None]).clamp(max=length - 1)  # [B, S]
+    suffix_valid = steps[None] < (lengths - start)[:, None]  # [B, S]
+    prefix_valid = slots[None] < start[:, None]  # [B, P]
     suffix = backbone(
-        input_ids=input_ids[:, cached:],
-        attention_mask=attention_mask,
-        position_ids=positions,
+        input_ids=input_ids.gather(1, suffix_slots),  # [B, S]
+        attention_mask=torch.cat([prefix_valid, suffix_valid], dim=1).long(),  # [B, P + S]
+        position_ids=start[:, None] + steps[None],  # [B, S]
         past_key_values=cache,
         use_cache=True,
     )
-    shared = prefix.last_hidden_state.expand(rows, -1, -1)  # [G, P-1, H]
-    hidden = torch.cat([shared, suffix.last_hidden_state], dim=1)  # [G, T, H]
-    wanted = _wanted(attention_mask, target_mask)  # [G, T-1]
+    both = torch.cat(
+        [prefix.last_hidden_state.index_select(0, source), suffix.last_hidden_state], 1
+    )
+    positions = torch.arange(length, device=device)[None]  # [1, T]
+    take = torch.where(positions < start[:, None], positions, width + positions - start[:, None])
+    take = take.clamp(max=both.shape[1] - 1)  # [B, T]: padding reads any slot, never scored
+    hidden = both.gather(1, take[..., None].expand(-1, -1, both.shape[-1]))  # [B, T, H]
+    wanted = _wanted(attention_mask, target_mask)  # [B, T-1]
     return _head_logprobs(model, hidden, input_ids, wanted, temperature, chunk_size)
+
+
+def prefix_groups(input_ids: Tensor, target_mask: Tensor) -> list[list[int]]:
+    """Rows with the same prompt (every token before their first target), in order of first row.
+
+    Only who shares a prefix pass depends on this; each group's prefix is then its rows' actual
+    common prefix (`common_prefix_length`), so any grouping gives the same logprobs.
+    """
+    first = target_mask.bool().int().argmax(dim=1).tolist()  # [B]: 0 where nothing is scored
+    out: dict[tuple[int, ...], list[int]] = {}
+    for row, stop in enumerate(first):
+        out.setdefault(tuple(input_ids[row, :stop].tolist()), []).append(row)
+    return list(out.values())
 
 
 def common_prefix_length(input_ids: Tensor, attention_mask: Tensor) -> int:
@@ -221,9 +265,9 @@ def micro_batch_logprobs(
         return token_logprobs(
             model, input_ids, attention_mask, temperature=temperature, target_mask=target_mask
         )
-    shared = common_prefix_length(input_ids, attention_mask)
+    groups = prefix_groups(input_ids, target_mask)
     return shared_prefix_token_logprobs(
-        model, input_ids, attention_mask, shared, temperature=temperature, target_mask=target_mask
+        model, input_ids, attention_mask, groups, temperature=temperature, target_mask=target_mask
     )
 
 

@@ -7,6 +7,8 @@ import torch
 
 from agent_grpo.logprobs import (
     common_prefix_length,
+    micro_batch_logprobs,
+    prefix_groups,
     shared_prefix_token_logprobs,
     token_logprobs,
 )
@@ -54,7 +56,7 @@ def test_values_and_gradients_equal_the_plain_path(sharp_model, temperature) -> 
     plain_grads = [p.grad.clone() for p in sharp_model.parameters()]
     sharp_model.zero_grad()
     shared = shared_prefix_token_logprobs(
-        sharp_model, ids, mask, 23, temperature=temperature, target_mask=targets
+        sharp_model, ids, mask, [[0, 1, 2, 3]], temperature=temperature, target_mask=targets
     )
     shared.sum().backward()
     assert torch.allclose(shared, plain, atol=2e-5)
@@ -68,5 +70,54 @@ def test_prefix_reaching_into_scored_tokens(sharp_model) -> None:
     ids, mask = group_batch(sharp_model.config.vocab_size, prefix=10, suffixes=[5, 5])
     with torch.no_grad():
         plain = token_logprobs(sharp_model, ids, mask)
-        shared = shared_prefix_token_logprobs(sharp_model, ids, mask, 10)
+        shared = shared_prefix_token_logprobs(sharp_model, ids, mask, [[0, 1]])
     assert torch.allclose(shared, plain, atol=2e-5)  # prefix targets come from the one pass
+
+
+def several_groups(vocab: int):
+    """Groups with prompts of different lengths (7, 23, 15) and a group of one, interleaved,
+    right-padded to one width: what a packed micro-batch of a GRPO step looks like."""
+    shapes = [(7, [5, 9]), (23, [3, 12, 1]), (15, [6]), (15, [4, 4])]
+    parts = [group_batch(vocab, p, s, seed=k) for k, (p, s) in enumerate(shapes)]
+    width = max(ids.shape[1] for ids, _ in parts)
+    ids = torch.cat(
+        [torch.nn.functional.pad(i, (0, width - i.shape[1]), value=2) for i, _ in parts]
+    )
+    mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for _, m in parts])
+    prompts = [7, 7, 23, 23, 23, 15, 15, 15]
+    order = [2, 0, 5, 3, 1, 6, 7, 4]  # members of a group need not be adjacent
+    targets = mask.clone()
+    for row, n in enumerate(prompts):
+        targets[row, :n] = 0
+    return ids[order], mask[order], targets[order]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_several_groups_in_one_pass_equal_the_plain_path(sharp_model, temperature) -> None:
+    ids, mask, targets = several_groups(sharp_model.config.vocab_size)
+    groups = prefix_groups(ids, targets)
+    assert sorted(map(sorted, groups)) == [[0, 3, 7], [1, 4], [2], [5, 6]]
+    plain = token_logprobs(sharp_model, ids, mask, temperature=temperature, target_mask=targets)
+    plain.sum().backward()
+    plain_grads = [p.grad.clone() for p in sharp_model.parameters()]
+    sharp_model.zero_grad()
+    shared = micro_batch_logprobs(sharp_model, ids, mask, targets, temperature=temperature,
+                                  shared_prefix=True)  # fmt: skip
+    shared.sum().backward()
+    assert torch.allclose(shared, plain, atol=2e-5)
+    assert (shared[targets == 0] == 0).all()
+    assert (shared[targets == 1] != 0).all()  # every model token really was scored
+    for got, want in zip((p.grad for p in sharp_model.parameters()), plain_grads, strict=True):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_any_grouping_gives_the_same_logprobs(sharp_model) -> None:
+    """Grouping decides who shares a pass, never the values: a group's prefix is what its rows
+    really share, even when the grouping is wrong (rows of different prompts together)."""
+    ids, mask, targets = several_groups(sharp_model.config.vocab_size)
+    with torch.no_grad():
+        plain = token_logprobs(sharp_model, ids, mask, target_mask=targets)
+        for groups in ([list(range(8))], [[r] for r in range(8)], [[0, 1, 2], [3, 4, 5, 6, 7]]):
+            shared = shared_prefix_token_logprobs(sharp_model, ids, mask, groups,
+                                                  target_mask=targets)  # fmt: skip
+            assert torch.allclose(shared, plain, atol=2e-5), groups

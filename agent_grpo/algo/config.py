@@ -56,13 +56,15 @@ class AlgoConfig(ConfigModel):
     minibatches: int = Field(default=1, ge=1)
     """Optimizer steps per epoch; the batch is split into this many minibatches."""
     micro_batch_tokens: int = Field(default=4096, ge=1)
-    """Most tokens per forward/backward; gradients are accumulated across micro-batches."""
+    """Most padded tokens (rows x longest row) per forward/backward; whole groups share a
+    micro-batch while they fit, and gradients are accumulated across micro-batches."""
     recompute_mlp: bool = False
     """Recompute each decoder layer's MLP in backward instead of keeping its activations: about
     half the saved activations (135M model: 2.1 -> 1.1 MiB a token) for one extra MLP forward
     (agent_grpo/train/recompute.py)."""
     shared_prefix: bool = True
-    """Run the backbone once over each group's shared prompt (same result, less compute)."""
+    """Run the backbone once over each group's shared prompt, the prompts of every group in a
+    micro-batch in one pass (same result, less compute)."""
     skip_zero_advantage: bool = True
     """With beta = 0, skip the forward pass of rows with zero advantage (they add exactly 0)."""
     old_logprobs: Literal["trainer", "sampler"] = "trainer"

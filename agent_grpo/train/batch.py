@@ -117,17 +117,17 @@ def micro_batches(
     *,
     by_group: bool,
     rows: Sequence[int] | None = None,
-    pack_groups: bool = False,
 ) -> list[list[int]]:
     """Row groups for forward passes, token-sized (padded rows x longest <= `max_tokens`); with
-    `by_group`, a GRPO group is never split unless it alone is too large.
+    `by_group`, whole GRPO groups share a micro-batch while they fit, and a group is never split
+    unless it alone is too large.
 
     Only `rows` (default: all) are placed. Keeping a group together lets its members share one
-    pass over their common prompt (`shared_prefix_token_logprobs`). With `pack_groups`, whole
-    groups that fit together share a micro-batch: one backward per optimizer step, which
-    `algo.optimizer_in_backward` needs to hold no whole-model gradient, at the price of each
-    row's own prompt tokens (the common prefix is then what the groups share, such as the
-    system prompt).
+    pass over their common prompt (`shared_prefix_token_logprobs`, which runs the prefixes of
+    every group in a micro-batch together). Fewer, larger micro-batches mean fewer backward
+    passes per optimizer step (each accumulates every parameter's gradient once) and larger
+    matmuls; `algo.optimizer_in_backward` holds no whole-model gradient only when a minibatch is
+    one micro-batch.
     """
     wanted = list(range(batch.input_ids.shape[0])) if rows is None else list(rows)
     lengths = batch.attention_mask.sum(dim=1).tolist()
@@ -141,7 +141,7 @@ def micro_batches(
     current: list[int] = []
     for members in buckets.values():
         together = current + members
-        if pack_groups and max(lengths[r] for r in together) * len(together) <= max_tokens:
+        if max(lengths[r] for r in together) * len(together) <= max_tokens:
             current = together
             continue
         if current:

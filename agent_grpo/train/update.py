@@ -57,8 +57,7 @@ def _micro_batches(
     A padding micro-batch reruns one row with its loss masked out (parallel.py's docstring);
     in one process there is none.
     """
-    local = micro_batches(batch, algo.micro_batch_tokens, by_group=algo.shared_prefix, rows=rows,
-                          pack_groups=algo.optimizer_in_backward)  # fmt: skip
+    local = micro_batches(batch, algo.micro_batch_tokens, by_group=algo.shared_prefix, rows=rows)
     count = int(global_max(torch.tensor(len(local)), ctx))
     filler = [rows[-1] if rows else 0]
     return [(g, True) for g in local] + [(filler, False)] * (count - len(local))
