@@ -189,8 +189,9 @@ def train_section(r: Result) -> str:
                           *(x["phase_peak_mb"].get(k) for k in ("rollout", "update"))])  # fmt: skip
         if b := x.get("bounds"):
             bounds.append([name, b["rollout_tok_s"], b["rollout_ceiling_tok_s"],
-                           b["rollout_fraction"], b["update_tok_s"], b["update_ceiling_tok_s"],
-                           b["update_fraction"]])  # fmt: skip
+                           b["rollout_fraction"], b.get("rollout_kernel_tok_s"),
+                           b.get("rollout_kernel_fraction"), b["update_tok_s"],
+                           b["update_ceiling_tok_s"], b["update_fraction"]])  # fmt: skip
     notes = "; ".join(f"`{k}`: {v}" for k, v in SIDE_NOTES.items() if k in sides)
     failed = [f"`{name}` round {i + 1}: " + _last_error_line(run.get("error") or "")
               for name, runs in res.get("raw", {}).items()
@@ -228,11 +229,21 @@ def train_section(r: Result) -> str:
             f"{f32['layers forward'] / 1e9:.0f} / {f32['layers backward'] / 1e9:.0f} GFLOP/s, "
             f"bf16 {b16['layers forward'] / 1e9:.0f} / {b16['layers backward'] / 1e9:.0f}; "
             f"memory bandwidth {ceiling['bandwidth_gb_s']:.1f} GB/s (reading a 1 GiB buffer). "
-            "Update ceiling = FLOP/s / (6 N + 2 N for the reference) per computed token (each "
-            "group's prompt once, as the shared-prefix pass computes it); rollout ceiling = "
-            "bandwidth x batch / (bytes of the weights one decode step reads).",
-            md_table(["impl", "rollout tok/s", "rollout ceiling", "fraction", "update tok/s",
-                      "update ceiling", "fraction"], bounds),
+            "Update ceiling: the time the update's matmuls (reference forward, policy forward "
+            "and backward) take at those rates, with FLOPs counted exactly: 2 x the layers' "
+            "parameters per computed token per forward (each group's prompt once, as the "
+            "shared-prefix pass computes it; twice that for the backward), and the LM head's "
+            "2 x vocab x hidden only per scored (model) token. Attention's own FLOPs are not "
+            "counted. Rollout: the bandwidth ceiling is bandwidth x batch / (bytes a decode "
+            "step reads: every weight and the batch's KV cache at the mean context); the kernel "
+            "ceiling is the batch over the time torch's own matmuls take for one decode step "
+            "(decode_matmul_s: "
+            + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in
+                        ceiling.get("decode_matmul_s", {}).items())
+            + f" at {ceiling.get('decode_rows', '?')} rows), which shows how much of the "
+            "bandwidth gap the matmul library already leaves.",
+            md_table(["impl", "rollout tok/s", "bandwidth ceiling", "fraction", "kernel ceiling",
+                      "fraction", "update tok/s", "update ceiling", "fraction"], bounds),
         ]  # fmt: skip
     return "\n\n".join(out)
 

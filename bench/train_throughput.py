@@ -18,10 +18,17 @@ reward) with a backend and settings per side (`SIDES`). Peak RSS is the whole pr
 optimizer state, gradients at their peak, engine incl. its KV cache).
 
 Ceilings, measured in the same run (`ceiling` child, once per round): matmul FLOP/s on the
-model's own linear shapes (forward and both backward products, fp32 and bf16) and the memory
-bandwidth of streaming a buffer far larger than the caches. Each phase is reported against its
-bound: update tokens/s against FLOP/s / (FLOPs per token of the passes the step runs), rollout
-tokens/s against bandwidth x batch / (bytes one decode step must read: the weights).
+model's own linear shapes (forward and both backward products, fp32 and bf16), the memory
+bandwidth of streaming a buffer far larger than the caches, and the time torch's own kernels take
+for one decode step's matmuls at the step's batch (every weight read once, `rows` rows). Each
+phase is reported against its bound:
+- update (reference + policy forward, backward): the time its matmuls take at the measured
+  FLOP/s, over the time it took. FLOPs counted exactly: 2 x (layer parameters) per computed
+  token per forward (4x for the backward), and the LM head's 2 x (vocab x hidden) only for the
+  scored (model) tokens, which are all the head runs on. Attention's own FLOPs are not counted.
+- rollout: tokens/s against bandwidth x rows / (bytes a decode step must read: every weight and
+  the batch's KV cache at the mean context), and against the kernel ceiling (rows / the time of
+  the step's matmuls), which says how much of the bandwidth gap is the matmul library's.
 """
 
 from __future__ import annotations
@@ -146,6 +153,8 @@ class Watch:
         self.parts: dict[str, float] = {}
         self.grad_peak_mb = 0.0
         self.update_tokens: list[int] = []
+        self.scored_tokens: list[int] = []
+        self.prompt_tokens: list[float] = []
 
     def phase(self, name: str, fn: Any) -> Any:
         def wrapped(*a: Any, **k: Any) -> Any:
@@ -170,6 +179,9 @@ class Watch:
             hooks = [p.register_post_accumulate_grad_hook(self._count_grads)
                      for p in policy.parameters() if p.requires_grad]  # fmt: skip
             self.update_tokens.append(computed_tokens(a[0]))
+            self.scored_tokens.append(int(a[0].loss_mask.sum()))
+            first = a[0].loss_mask.float().argmax(dim=1)  # [B]: each row's prompt length
+            self.prompt_tokens.append(float(first.float().mean()))
             with PeakWindow() as window:
                 out = fn(policy, optimizer, *a, **k)
             for hook in hooks:
@@ -237,6 +249,8 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
         "parts": watch.parts,
         "wall_s": wall,
         "update_tokens": watch.update_tokens,
+        "scored_tokens": watch.scored_tokens,
+        "prompt_tokens": watch.prompt_tokens,
     }
 
 
@@ -365,15 +379,53 @@ def bandwidth_gb_s() -> float:
     return x.numel() * 4 / _best_of(lambda: x.sum(), repeats=3) / 1e9
 
 
+def decode_matmul_s(rows: int, dtype: torch.dtype) -> float:
+    """Seconds torch takes for one decode step's matmuls at `rows` rows: every layer's weights
+    and the LM head, each read once (fresh weights per layer, as in the model: no cache reuse)."""
+    from transformers import AutoConfig
+
+    from agent_grpo.models import resolve_model_path
+
+    layer, layers, _, vocab = model_shapes()
+    hidden = AutoConfig.from_pretrained(resolve_model_path(MODEL)).hidden_size
+    shapes = layer * layers + [(hidden, vocab)]
+    weights = [torch.randn(o, i, dtype=dtype) for i, o in shapes]
+    inputs = {i: torch.randn(rows, i, dtype=dtype) for i, _ in shapes}
+    return _best_of(lambda: [inputs[w.shape[1]] @ w.T for w in weights])
+
+
+def model_sizes() -> dict[str, int]:
+    """Parameter counts of the layers and the head, and the KV bytes a token holds in fp32."""
+    from transformers import AutoConfig
+
+    from agent_grpo.models import resolve_model_path
+
+    c = AutoConfig.from_pretrained(resolve_model_path(MODEL))
+    layer, layers, params, vocab = model_shapes()
+    head_dim = c.hidden_size // c.num_attention_heads
+    return {
+        "params": params,
+        "layer_params": layers * sum(i * o for i, o in layer),
+        "head_params": vocab * c.hidden_size,
+        "kv_bytes_per_token": layers * 2 * c.num_key_value_heads * head_dim * 4,
+    }
+
+
 def worker_ceiling(args: argparse.Namespace) -> dict[str, Any]:
     """The machine's bounds for this workload (see the module docstring)."""
     tokens = args.tasks * 250 + args.tasks * args.group_size * args.max_tokens  # one update batch
+    rows = args.tasks * args.group_size
     return {
         "tokens": tokens,
         "fp32": matmul_flops(tokens, torch.float32),
         "bf16": matmul_flops(tokens, torch.bfloat16),
         "bandwidth_gb_s": bandwidth_gb_s(),
-        "params": model_shapes()[2],
+        "decode_rows": rows,
+        "decode_matmul_s": {
+            "fp32": decode_matmul_s(rows, torch.float32),
+            "bf16": decode_matmul_s(rows, torch.bfloat16),
+        },
+        **model_sizes(),
     }
 
 
@@ -435,9 +487,8 @@ def summarise(side: str, runs: list[dict[str, Any]], ceiling: dict[str, Any]) ->
         out[name] = _median([steady(r, key) for r in ok])
     rows = ok[0]["steps"][0]["trajectories"]
     out["completion_tokens"] = out["model_tokens_mean"] * rows
-    out["update_tokens"] = _median(
-        [sum(r["update_tokens"][1:]) / max(1, len(r["update_tokens"]) - 1) for r in ok]
-    )
+    for key in ("update_tokens", "scored_tokens", "prompt_tokens"):  # steady steps' means
+        out[key] = _median([sum(r[key][1:]) / max(1, len(r[key]) - 1) for r in ok])
     out["parts_mb"] = ok[0]["parts"]
     out["phase_peak_mb"] = {k: max(v) for k, v in ok[0]["peaks"].items()}
     out["bounds"] = bounds(side, out, ceiling, rows)
@@ -446,27 +497,40 @@ def summarise(side: str, runs: list[dict[str, Any]], ceiling: dict[str, Any]) ->
 
 def bounds(side: str, r: dict[str, Any], ceiling: dict[str, Any], rows: int) -> dict[str, Any]:
     """Rollout and update throughput as fractions of the machine's ceilings for them."""
-    if not ceiling:
+    if not ceiling or "layer_params" not in ceiling:
         return {}
-    params = ceiling["params"]
     dtype = "bf16" if "bf16" in side else "fp32"
     flops = ceiling[dtype]
-    # fwd+bwd of the policy (2N + 4N per token) and a forward of the reference (2N)
-    update_flops_per_token = 6 * params + (2 * params if r["ref_s"] > 0 else 0)
-    rate = statistics.mean([flops["layers forward"], flops["layers backward"]])
-    tokens = r["update_tokens"]
-    update_tok_s = tokens / max(r["update_s"] + r["ref_s"] + r["old_s"], 1e-9)
-    update_ceiling = rate / update_flops_per_token
-    bytes_per_step = params * (2 if "bf16" in side and "vllm" in side else 4)
-    decode_ceiling = ceiling["bandwidth_gb_s"] * 1e9 / bytes_per_step * rows  # tokens/s
+    forwards = 2 if r["ref_s"] > 0 else 1  # the policy's, and the reference's
+
+    def matmul_s(params: int, tokens: float, part: str) -> float:
+        """Seconds the matmuls of `forwards` forward passes and one backward (two products per
+        weight) over `tokens` take at the measured FLOP/s."""
+        flops_per_pass = 2.0 * params * tokens
+        return flops_per_pass * (
+            forwards / flops[f"{part} forward"] + 2 / flops[f"{part} backward"]
+        )
+
+    ideal_s = matmul_s(ceiling["layer_params"], r["update_tokens"], "layers") + matmul_s(
+        ceiling["head_params"], r["scored_tokens"], "lm head"
+    )
+    update_s = r["update_s"] + r["ref_s"] + r["old_s"]
+    engine_bf16 = "bf16" in side and "vllm" in side
+    weight_bytes = ceiling["params"] * (2 if engine_bf16 else 4)
+    context = r["prompt_tokens"] + r["model_tokens_mean"] / 2  # mean over a row's decode steps
+    kv_bytes = ceiling["kv_bytes_per_token"] / (2 if engine_bf16 else 1) * rows * context
+    decode_ceiling = ceiling["bandwidth_gb_s"] * 1e9 / (weight_bytes + kv_bytes) * rows  # tok/s
+    kernel_ceiling = rows / ceiling["decode_matmul_s"]["bf16" if engine_bf16 else "fp32"]
     rollout_tok_s = r["completion_tokens"] / max(r["rollout_s"], 1e-9)
     return {
-        "update_tok_s": update_tok_s,
-        "update_ceiling_tok_s": update_ceiling,
-        "update_fraction": update_tok_s / update_ceiling,
+        "update_tok_s": r["update_tokens"] / max(update_s, 1e-9),
+        "update_ceiling_tok_s": r["update_tokens"] / ideal_s,
+        "update_fraction": ideal_s / max(update_s, 1e-9),
         "rollout_tok_s": rollout_tok_s,
         "rollout_ceiling_tok_s": decode_ceiling,
         "rollout_fraction": rollout_tok_s / decode_ceiling,
+        "rollout_kernel_tok_s": kernel_ceiling,
+        "rollout_kernel_fraction": rollout_tok_s / kernel_ceiling,
     }
 
 
@@ -492,12 +556,13 @@ def print_results(sides: dict[str, dict[str, Any]], ceiling: dict[str, Any]) -> 
             print_table(f"{name}: memory by part (MiB)", ["part", "MiB"], parts)
     if ceiling:
         bound_rows = [[n, b["rollout_tok_s"], b["rollout_ceiling_tok_s"], b["rollout_fraction"],
+                       b["rollout_kernel_tok_s"], b["rollout_kernel_fraction"],
                        b["update_tok_s"], b["update_ceiling_tok_s"], b["update_fraction"]]
                       for n, r in sides.items()
                       if r.get("ok") and (b := r.get("bounds"))]  # fmt: skip
         print_table("phases against their ceilings",
-                    ["impl", "rollout tok/s", "ceiling", "fraction", "update tok/s", "ceiling",
-                     "fraction"], bound_rows)  # fmt: skip
+                    ["impl", "rollout tok/s", "bandwidth ceiling", "fraction", "kernel ceiling",
+                     "fraction", "update tok/s", "ceiling", "fraction"], bound_rows)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
