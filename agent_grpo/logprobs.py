@@ -170,29 +170,85 @@ def shared_prefix_token_logprobs(
     for about `sum(prefix) + sum(suffix)` tokens of work instead of `G * (prefix + suffix)` per
     group, in two passes whatever the number of groups (the matmuls get the rows of all of them).
 
-    A group of one row, or whose rows share at most one token, has no prefix pass: its rows run
-    whole in the suffix pass, their prefix slots masked.
+    Rows with no prefix to share (a group of one, or whose rows share at most one token) run
+    apart through `token_logprobs`: in the suffix pass they would widen every row to their whole
+    length. Models with sliding-window layers run the plain path: right-padded prefixes would
+    put padding inside a shorter group's window.
     """
     _check_plain_head(model)
-    rows, length = input_ids.shape
-    device = input_ids.device
     # the last shared token starts the suffix: its state predicts the next token
-    cached = [common_prefix_length(input_ids[list(g)], attention_mask[list(g)]) - 1
+    cached = [max(0, common_prefix_length(input_ids[list(g)], attention_mask[list(g)]) - 1)
               if len(g) > 1 else 0 for g in groups]  # fmt: skip
-    prefixed = [c for c, n in enumerate(cached) if n >= 1]
-    if not prefixed:
+    shared = [list(g) for g, n in zip(groups, cached, strict=True) if n >= 1]
+    shared_rows = [r for g in shared for r in g]
+    alone = sorted(set(range(input_ids.shape[0])) - set(shared_rows))
+    if not shared or not _full_attention_only(model):
         return token_logprobs(model, input_ids, attention_mask, temperature=temperature,
                               chunk_size=chunk_size, target_mask=target_mask)  # fmt: skip
-    slot = {c: k for k, c in enumerate(prefixed)}
+    if not alone:
+        return _grouped_prefix_logprobs(model, input_ids, attention_mask, shared,
+                                        [n for n in cached if n >= 1], temperature, chunk_size,
+                                        target_mask)  # fmt: skip
+    local = {r: i for i, r in enumerate(shared_rows)}
+    ids, mask, targets = _rows(input_ids, attention_mask, target_mask, shared_rows)
+    alone_ids, alone_mask, alone_targets = _rows(input_ids, attention_mask, target_mask, alone)
+    parts = [
+        _grouped_prefix_logprobs(model, ids, mask, [[local[r] for r in g] for g in shared],
+                                 [n for n in cached if n >= 1], temperature, chunk_size, targets),
+        token_logprobs(model, alone_ids, alone_mask, temperature=temperature,
+                       chunk_size=chunk_size, target_mask=alone_targets),
+    ]  # fmt: skip
+    length = input_ids.shape[1]
+    out = torch.cat([F.pad(part, (0, length - part.shape[1])) for part in parts])  # [B, T]
+    order = torch.tensor(shared_rows + alone, device=input_ids.device)
+    return out.index_select(0, torch.argsort(order))  # back to the rows' own order
+
+
+def _rows(
+    input_ids: Tensor, attention_mask: Tensor, target_mask: Tensor | None, rows: list[int]
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The `rows` of a right-padded batch, cut to the longest of them."""
+    index = torch.tensor(rows, device=input_ids.device)
+    width = int(attention_mask.index_select(0, index).sum(dim=1).max())
+
+    def cut(x: Tensor) -> Tensor:
+        return x.index_select(0, index)[:, :width]
+
+    return cut(input_ids), cut(attention_mask), None if target_mask is None else cut(target_mask)
+
+
+def _full_attention_only(model: nn.Module) -> bool:
+    """Whether every attention layer sees the whole sequence (no sliding window)."""
+    config = getattr(model, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return all(kind == "full_attention" for kind in layer_types)
+    window = getattr(config, "sliding_window", None)
+    return not (window and getattr(config, "use_sliding_window", True))
+
+
+def _grouped_prefix_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    groups: list[list[int]],
+    cached: list[int],
+    temperature: float,
+    chunk_size: int,
+    target_mask: Tensor | None = None,
+) -> Tensor:
+    """`shared_prefix_token_logprobs` when every group has `cached[c] >= 1` prefix tokens."""
+    rows, length = input_ids.shape
+    device = input_ids.device
     start = torch.zeros(rows, dtype=torch.long)  # [B]: where each row's suffix starts
     source = torch.zeros(rows, dtype=torch.long)  # [B]: its group's row in the prefix pass
     for c, members in enumerate(groups):
         for r in members:
-            start[r], source[r] = cached[c], slot.get(c, 0)
+            start[r], source[r] = cached[c], c
     start, source = start.to(device), source.to(device)
     width = max(cached)  # P: prefix slots
-    first_rows = torch.tensor([groups[c][0] for c in prefixed], device=device)
-    prefix_lengths = torch.tensor([cached[c] for c in prefixed], device=device)
+    first_rows = torch.tensor([g[0] for g in groups], device=device)
+    prefix_lengths = torch.tensor(cached, device=device)
     slots = torch.arange(width, device=device)  # [P]
     backbone = cast(nn.Module, model.get_decoder())  # type: ignore[operator]
     prefix = backbone(
@@ -213,7 +269,7 @@ def shared_prefix_token_logprobs(
     suffix = backbone(
         input_ids=input_ids.gather(1, suffix_slots),  # [B, S]
         attention_mask=torch.cat([prefix_valid, suffix_valid], dim=1).long(),  # [B, P + S]
-        position_ids=start[:, None] + steps[None],  # [B, S]
+        position_ids=torch.where(suffix_valid, start[:, None] + steps[None], 0),  # [B, S]
         past_key_values=cache,
         use_cache=True,
     )

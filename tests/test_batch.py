@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent_grpo.train.batch import micro_batches_by_tokens, pack_records
+from agent_grpo.train.batch import micro_batches, micro_batches_by_tokens, pack_records
 from agent_grpo.trajectory import Lengths, Message, Provenance, Termination, TrajectoryRecord
 
 P, M, T, OBS = Provenance.PROMPT, Provenance.MODEL, Provenance.TEMPLATE, Provenance.OBSERVATION
@@ -75,3 +75,28 @@ def test_micro_batches_cover_every_row_once_in_order_and_fit(
     for group in groups:
         cost = max(lengths[i] for i in group) * len(group)
         assert cost <= budget or len(group) == 1
+
+
+def test_micro_batches_pack_whole_groups_and_split_only_a_group_too_large() -> None:
+    """Groups share a micro-batch while rows x longest fits; a group is split only when it alone
+    does not fit, and then by tokens."""
+    sizes = {"a": (2, 5), "b": (3, 4), "c": (4, 10), "d": (1, 3)}  # rows, tokens
+    records = []
+    for group, (rows, tokens) in sizes.items():
+        for _ in range(rows):
+            record = make_record([P] * (tokens - 1) + [M])
+            records.append(record.model_copy(update={"group_id": group}))
+    batch = pack_records(records, pad_id=0)
+    # a + b: 5 rows x 5 = 25 <= 30; c alone is 4 x 10 = 40: split 3 + 1; d starts afresh
+    assert micro_batches(batch, 30, by_group=True) == [[0, 1, 2, 3, 4], [5, 6, 7], [8], [9]]
+    assert micro_batches(batch, 30, by_group=True, rows=[0, 1, 9]) == [[0, 1, 9]]
+    assert micro_batches(batch, 10, by_group=False) == [
+        [0, 1],
+        [2, 3],
+        [4],
+        [5],
+        [6],
+        [7],
+        [8],
+        [9],
+    ]

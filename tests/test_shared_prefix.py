@@ -111,13 +111,48 @@ def test_several_groups_in_one_pass_equal_the_plain_path(sharp_model, temperatur
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
+def backbone_batches(model) -> tuple[list[int], object]:
+    """Record the batch size of every backbone pass (the hook handle removes it)."""
+    seen: list[int] = []
+    hook = model.get_decoder().register_forward_hook(
+        lambda module, args, kwargs, out: seen.append(kwargs["input_ids"].shape[0]),
+        with_kwargs=True,
+    )
+    return seen, hook
+
+
 def test_any_grouping_gives_the_same_logprobs(sharp_model) -> None:
     """Grouping decides who shares a pass, never the values: a group's prefix is what its rows
-    really share, even when the grouping is wrong (rows of different prompts together)."""
+    really share, even when the grouping is wrong (rows of different prompts together, rows
+    sharing one or two tokens), and rows with nothing to share run apart."""
     ids, mask, targets = several_groups(sharp_model.config.vocab_size)
+    ids[6, :2] = ids[2, :2]  # rows 2 and 6 (different prompts) now share exactly two tokens
+    targets[7] = 0  # a row with nothing to score
+    groupings = {
+        "by prompt, a row alone": prefix_groups(ids, targets),
+        "different prompts in one group": [[0, 3, 7], [1, 2], [4], [5, 6]],
+        "sharing two tokens": [[0, 3], [2, 6], [1, 4, 5, 7]],
+        "one group": [list(range(8))],
+        "all alone": [[r] for r in range(8)],
+    }
     with torch.no_grad():
         plain = token_logprobs(sharp_model, ids, mask, target_mask=targets)
-        for groups in ([list(range(8))], [[r] for r in range(8)], [[0, 1, 2], [3, 4, 5, 6, 7]]):
+        for name, groups in groupings.items():
             shared = shared_prefix_token_logprobs(sharp_model, ids, mask, groups,
                                                   target_mask=targets)  # fmt: skip
-            assert torch.allclose(shared, plain, atol=2e-5), groups
+            assert torch.allclose(shared, plain, atol=2e-5), name
+            assert (shared[7] == 0).all(), name
+    # row 6 no longer has row 5's prompt; row 7, with no target, has an empty one
+    assert groupings["by prompt, a row alone"] == [[0, 3], [1, 4], [2], [5], [6], [7]]
+
+
+def test_rows_without_a_prefix_run_apart(sharp_model) -> None:
+    """The shared passes hold only rows that share a prefix (three groups: a prefix pass of 3
+    rows, a suffix pass of 7); the row alone runs its own plain pass of 1."""
+    ids, mask, targets = several_groups(sharp_model.config.vocab_size)
+    seen, hook = backbone_batches(sharp_model)
+    with torch.no_grad():
+        shared_prefix_token_logprobs(sharp_model, ids, mask, [[0, 3, 7], [1, 4], [2], [5, 6]],
+                                     target_mask=targets)  # fmt: skip
+    hook.remove()
+    assert seen == [3, 7, 1]
