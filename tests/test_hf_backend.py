@@ -381,6 +381,8 @@ def test_reserved_layer_holds_what_concatenation_would():
             assert torch.equal(reserved.keys, dynamic.keys)
             rows = 2
     assert reserved.get_seq_length() == 10
+    with pytest.raises(NotImplementedError):
+        reserved.crop(-1)  # unsupported, and loud about it: its buffers would go stale
 
 
 def test_decode_steps_write_in_place(model_and_prompts):

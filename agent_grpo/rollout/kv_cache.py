@@ -1,9 +1,10 @@
 """The `hf` backend's KV cache: transformers' `DynamicCache` with room reserved for the decode.
 
 `DynamicLayer.update` concatenates each new token's keys and values onto the whole cache, so a
-decode step copies every layer's cache once: O(length) per token, O(length^2) per answer. Here each layer's keys and values live in buffers sized, at prefill,
-for the prompt plus every token the call may sample; a step writes its slot in place and the
-layer exposes the filled part as a view. What attention reads is the same tensor values as
+decode step copies every layer's cache once: O(length) per token, O(length^2) per answer.
+Here each layer's keys and values live in buffers sized, at prefill, for the prompt plus every
+token the call may sample; a step writes its slot in place and the layer exposes the filled
+part as a view. What attention reads is the same tensor values as
 `DynamicLayer` would hand it, so outputs do not change (tests/test_hf_backend.py compares).
 
 Measured on the 135M model in fp32, 8 rows x 48 sampled tokens, 2 threads on this 2-core Xeon
@@ -11,7 +12,9 @@ Measured on the 135M model in fp32, 8 rows x 48 sampled tokens, 2 threads on thi
 1,286 -> 482 ms with a 2,190-token prompt, where the copies dominated.
 
 Only what the backend does with a cache is supported: update, the filled `keys`/`values`, and
-`batch_select_indices` when rows finish. Not `crop` or beam search's reordering.
+`batch_select_indices` when rows finish; `crop`, `reset`, `batch_repeat_interleave`, beam
+reordering and offloading raise rather than leave the buffers stale. Every row's slots for
+prompt plus `max_tokens` are held from the prefill on, even when answers finish early.
 """
 
 from __future__ import annotations
@@ -65,6 +68,24 @@ class ReservedLayer(DynamicLayer):
             return
         self._keys, self._values = self._keys[indices], self._values[indices]
         self._expose()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("ReservedLayer supports update and batch_select_indices only")
+
+    def reset(self) -> None:
+        raise NotImplementedError("ReservedLayer supports update and batch_select_indices only")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("ReservedLayer supports update and batch_select_indices only")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("ReservedLayer supports update and batch_select_indices only")
+
+    def offload(self) -> None:
+        raise NotImplementedError("ReservedLayer supports update and batch_select_indices only")
+
+    def prefetch(self) -> None:
+        raise NotImplementedError("ReservedLayer supports update and batch_select_indices only")
 
     def _reserve(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         old_keys, old_values = self._keys, self._values
