@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
-from agent_grpo.train.optimizer import adamw, fused_supported
+from agent_grpo.train.optimizer import adamw, fused_supported, load_optimizer_state
 
 
 def test_fused_on_cpu_and_equal_to_the_per_tensor_loop() -> None:
@@ -34,3 +36,28 @@ def test_not_fused_where_the_kernel_does_not_run() -> None:
     assert not fused_supported([meta])
     assert fused_supported([torch.zeros(2)])
     assert not fused_supported([torch.zeros(2, dtype=torch.long)])
+
+
+def test_a_checkpoint_from_the_loop_resumes_fused() -> None:
+    """Loading a state saved by the per-tensor loop keeps this optimizer fused, and resumes it:
+    the next step matches the loop's own next step."""
+    g = torch.Generator().manual_seed(1)
+    start = torch.randn(16, 8, generator=g)
+    grads = [torch.randn(16, 8, generator=g) for _ in range(2)]
+    saved = start.clone().requires_grad_()
+    loop = torch.optim.AdamW([saved], lr=1e-2, foreach=False)
+    saved.grad = grads[0].clone()
+    loop.step()
+    resumed = saved.detach().clone().requires_grad_()
+    fused = adamw([resumed], lr=1e-2)
+    load_optimizer_state(
+        fused, copy.deepcopy(loop.state_dict())
+    )  # as read from disk: no shared moments
+    assert fused.param_groups[0]["fused"] is True
+    assert fused.state[resumed]["step"].dtype == torch.float32
+    for param, optimizer in ((saved, loop), (resumed, fused)):
+        param.grad = grads[1].clone()
+        optimizer.step()
+    tolerance = 3 * 8 * torch.finfo(torch.float32).eps * (start.abs().max() + 1e-2)
+    assert (saved - resumed).abs().max() <= tolerance
+    assert float(fused.state[resumed]["step"]) == 2.0

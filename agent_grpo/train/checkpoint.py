@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from agent_grpo.evaluate import EvalResult
 from agent_grpo.faults import crash_point
 from agent_grpo.store import RunDirWriteError
+from agent_grpo.train.optimizer import load_optimizer_state
 from agent_grpo.train.parallel import (
     broadcast_object,
     full_optimizer_state,
@@ -127,7 +128,10 @@ def read_state(path: Path) -> TrainerState:
 def load_checkpoint(path: Path, optimizer: torch.optim.Optimizer) -> TrainerState:
     """Restore optimizer and RNG states from `path`; the caller loads `path / "model"`."""
     blob = torch.load(path / "trainer.pt", weights_only=False)
-    optimizer.load_state_dict(blob["optimizer"])
+    if isinstance(optimizer, torch.optim.Optimizer):
+        load_optimizer_state(optimizer, blob["optimizer"])
+    else:  # the torchrun holder of the full state
+        optimizer.load_state_dict(blob["optimizer"])
     _set_rng_state(blob["rng"])
     return TrainerState.model_validate_json((path / "state.json").read_text())
 

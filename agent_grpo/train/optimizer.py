@@ -9,10 +9,11 @@ arithmetic is AdamW's; its rounding differs from the loop's in the last bits.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-__all__ = ["adamw", "fused_supported"]
+__all__ = ["adamw", "fused_supported", "load_optimizer_state"]
 
 
 def fused_supported(params: list[torch.Tensor]) -> bool:
@@ -29,3 +30,21 @@ def adamw(
     return torch.optim.AdamW(
         params, lr=lr, weight_decay=weight_decay, fused=fused_supported(params) or None
     )
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """`optimizer.load_state_dict(state)`, keeping the kernel this process chose.
+
+    A checkpoint's param groups carry `fused` and `foreach`, and `load_state_dict` takes them:
+    one written before AdamW was fused here would silently turn the fused kernel off. The fused
+    kernel wants each `step` as fp32 on its parameter's device, which torch moves it to only
+    when the checkpoint itself was fused.
+    """
+    kernels = [(group.get("fused"), group.get("foreach")) for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, (fused, foreach) in zip(optimizer.param_groups, kernels, strict=True):
+        group["fused"], group["foreach"] = fused, foreach
+        for param in group["params"] if fused else []:
+            step = optimizer.state.get(param, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                optimizer.state[param]["step"] = step.to(torch.float32).to(param.device)

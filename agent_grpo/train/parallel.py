@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from agent_grpo.logprobs import micro_batch_logprobs
+from agent_grpo.train.optimizer import load_optimizer_state
 
 __all__ = [
     "DistContext",
@@ -374,7 +375,7 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str,
     by_index = {
         i: {k: local(v, params[int(i)]) for k, v in s.items()} for i, s in state["state"].items()
     }
-    optimizer.load_state_dict({"state": by_index, "param_groups": state["param_groups"]})
+    load_optimizer_state(optimizer, {"state": by_index, "param_groups": state["param_groups"]})
 
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -> Tensor:
