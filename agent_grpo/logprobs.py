@@ -179,25 +179,22 @@ def shared_prefix_token_logprobs(
     # the last shared token starts the suffix: its state predicts the next token
     cached = [max(0, common_prefix_length(input_ids[list(g)], attention_mask[list(g)]) - 1)
               if len(g) > 1 else 0 for g in groups]  # fmt: skip
-    shared = [list(g) for g, n in zip(groups, cached, strict=True) if n >= 1]
-    shared_rows = [r for g in shared for r in g]
+    shared = [(list(g), n) for g, n in zip(groups, cached, strict=True) if n >= 1]
+    if not _full_attention_only(model):
+        shared = []
+    shared_rows = [r for g, _ in shared for r in g]
     alone = sorted(set(range(input_ids.shape[0])) - set(shared_rows))
-    if not shared or not _full_attention_only(model):
-        return token_logprobs(model, input_ids, attention_mask, temperature=temperature,
-                              chunk_size=chunk_size, target_mask=target_mask)  # fmt: skip
-    if not alone:
-        return _grouped_prefix_logprobs(model, input_ids, attention_mask, shared,
-                                        [n for n in cached if n >= 1], temperature, chunk_size,
-                                        target_mask)  # fmt: skip
-    local = {r: i for i, r in enumerate(shared_rows)}
-    ids, mask, targets = _rows(input_ids, attention_mask, target_mask, shared_rows)
-    alone_ids, alone_mask, alone_targets = _rows(input_ids, attention_mask, target_mask, alone)
-    parts = [
-        _grouped_prefix_logprobs(model, ids, mask, [[local[r] for r in g] for g in shared],
-                                 [n for n in cached if n >= 1], temperature, chunk_size, targets),
-        token_logprobs(model, alone_ids, alone_mask, temperature=temperature,
-                       chunk_size=chunk_size, target_mask=alone_targets),
-    ]  # fmt: skip
+    parts = []
+    if shared:
+        local = {r: i for i, r in enumerate(shared_rows)}
+        ids, mask, targets = _rows(input_ids, attention_mask, target_mask, shared_rows)
+        parts.append(_grouped_prefix_logprobs(
+            model, ids, mask, [[local[r] for r in g] for g, _ in shared], [n for _, n in shared],
+            temperature, chunk_size, targets))  # fmt: skip
+    if alone:
+        ids, mask, targets = _rows(input_ids, attention_mask, target_mask, alone)
+        parts.append(token_logprobs(model, ids, mask, temperature=temperature,
+                                    chunk_size=chunk_size, target_mask=targets))  # fmt: skip
     length = input_ids.shape[1]
     out = torch.cat([F.pad(part, (0, length - part.shape[1])) for part in parts])  # [B, T]
     order = torch.tensor(shared_rows + alone, device=input_ids.device)

@@ -34,6 +34,7 @@ phase is reported against its bound:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -326,14 +327,20 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
 # ---- ceilings --------------------------------------------------------------------------------
 
 
-def model_shapes() -> tuple[list[tuple[int, int]], int, int, int]:
-    """The embedded model's matmul shapes (in, out) per token, its layer count, its parameter
-    count and its vocabulary."""
+@functools.cache
+def model_config() -> Any:
+    """The embedded model's transformers config, read once per process."""
     from transformers import AutoConfig
 
     from agent_grpo.models import resolve_model_path
 
-    c = AutoConfig.from_pretrained(resolve_model_path(MODEL))
+    return AutoConfig.from_pretrained(resolve_model_path(MODEL))
+
+
+def model_shapes() -> tuple[list[tuple[int, int]], int, int, int]:
+    """The embedded model's matmul shapes (in, out) per token, its layer count, its parameter
+    count and its vocabulary."""
+    c = model_config()
     head_dim = c.hidden_size // c.num_attention_heads
     kv = c.num_key_value_heads * head_dim
     h, m = c.hidden_size, c.intermediate_size
@@ -355,12 +362,8 @@ def _best_of(fn: Any, repeats: int = 5) -> float:
 def matmul_flops(tokens: int, dtype: torch.dtype) -> dict[str, float]:
     """FLOP/s of the model's linear layers on `tokens` rows: forward (x W^T), backward (g W and
     g^T x), each layer shape weighted by its FLOPs, plus the LM head."""
-    from transformers import AutoConfig
-
-    from agent_grpo.models import resolve_model_path
-
     layer, _, _, vocab = model_shapes()
-    hidden = AutoConfig.from_pretrained(resolve_model_path(MODEL)).hidden_size
+    hidden = model_config().hidden_size
     out = {}
     for name, shapes in (("layers", layer), ("lm head", [(hidden, vocab)])):
         flops = seconds_f = seconds_b = 0.0
@@ -384,12 +387,8 @@ def bandwidth_gb_s() -> float:
 def decode_matmul_s(rows: int, dtype: torch.dtype) -> float:
     """Seconds torch takes for one decode step's matmuls at `rows` rows: every layer's weights
     and the LM head, each read once (fresh weights per layer, as in the model: no cache reuse)."""
-    from transformers import AutoConfig
-
-    from agent_grpo.models import resolve_model_path
-
     layer, layers, _, vocab = model_shapes()
-    hidden = AutoConfig.from_pretrained(resolve_model_path(MODEL)).hidden_size
+    hidden = model_config().hidden_size
     shapes = layer * layers + [(hidden, vocab)]
     weights = [torch.randn(o, i, dtype=dtype) for i, o in shapes]
     inputs = {i: torch.randn(rows, i, dtype=dtype) for i, _ in shapes}
@@ -398,11 +397,7 @@ def decode_matmul_s(rows: int, dtype: torch.dtype) -> float:
 
 def model_sizes() -> dict[str, int]:
     """Parameter counts of the layers and the head, and the KV bytes a token holds in fp32."""
-    from transformers import AutoConfig
-
-    from agent_grpo.models import resolve_model_path
-
-    c = AutoConfig.from_pretrained(resolve_model_path(MODEL))
+    c = model_config()
     layer, layers, params, vocab = model_shapes()
     head_dim = c.hidden_size // c.num_attention_heads
     return {

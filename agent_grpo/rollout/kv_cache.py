@@ -38,8 +38,6 @@ class ReservedLayer(DynamicLayer):
         super().__init__()
         self.capacity = capacity
         """Slots reserved at the first update; outgrowing them doubles the buffers (a copy)."""
-        self.length = 0
-        """Filled slots."""
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
 
@@ -49,57 +47,44 @@ class ReservedLayer(DynamicLayer):
         """Write `[B, H, n, D]` new keys and values after the filled slots; return the filled."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
+        filled = self.get_seq_length()  # the exposed view's length (0 before any update)
+        end = filled + key_states.shape[-2]
         if self._keys is None or self._values is None or end > self._keys.shape[-2]:
-            self._reserve(key_states, value_states, max(end, self.capacity, 2 * self.length))
+            self._reserve(key_states, value_states, max(end, self.capacity, 2 * filled), filled)
         assert self._keys is not None and self._values is not None
-        self._keys[:, :, self.length : end] = key_states
-        self._values[:, :, self.length : end] = value_states
-        self.length = end
-        self._expose()
+        self._keys[:, :, filled:end] = key_states
+        self._values[:, :, filled:end] = value_states
+        self._expose(end)
         return self.keys, self.values  # type: ignore[return-value]
-
-    def get_seq_length(self) -> int:
-        return self.length
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows `indices` (a copy of the buffers: only when rows finish)."""
         if self._keys is None or self._values is None:
             return
+        filled = self.get_seq_length()
         self._keys, self._values = self._keys[indices], self._values[indices]
-        self._expose()
+        self._expose(filled)
 
-    def crop(self, tokens_to_remove: int) -> None:
+    def _unsupported(self, *args: object, **kwargs: object) -> None:
         raise NotImplementedError("ReservedLayer supports update and batch_select_indices only")
 
-    def reset(self) -> None:
-        raise NotImplementedError("ReservedLayer supports update and batch_select_indices only")
+    crop = reset = batch_repeat_interleave = reorder_cache = offload = prefetch = _unsupported
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("ReservedLayer supports update and batch_select_indices only")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("ReservedLayer supports update and batch_select_indices only")
-
-    def offload(self) -> None:
-        raise NotImplementedError("ReservedLayer supports update and batch_select_indices only")
-
-    def prefetch(self) -> None:
-        raise NotImplementedError("ReservedLayer supports update and batch_select_indices only")
-
-    def _reserve(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+    def _reserve(
+        self, keys: torch.Tensor, values: torch.Tensor, capacity: int, filled: int
+    ) -> None:
         old_keys, old_values = self._keys, self._values
         batch, heads = keys.shape[:2]
         self._keys = keys.new_empty(batch, heads, capacity, keys.shape[-1])
         self._values = values.new_empty(batch, heads, capacity, values.shape[-1])
-        if old_keys is not None and old_values is not None and self.length:
-            self._keys[:, :, : self.length] = old_keys[:, :, : self.length]
-            self._values[:, :, : self.length] = old_values[:, :, : self.length]
+        if old_keys is not None and old_values is not None and filled:
+            self._keys[:, :, :filled] = old_keys[:, :, :filled]
+            self._values[:, :, :filled] = old_values[:, :, :filled]
 
-    def _expose(self) -> None:
+    def _expose(self, filled: int) -> None:
         assert self._keys is not None and self._values is not None
-        self.keys = self._keys[:, :, : self.length]
-        self.values = self._values[:, :, : self.length]
+        self.keys = self._keys[:, :, :filled]
+        self.values = self._values[:, :, :filled]
 
 
 def reserved_cache(capacity: int, past: BatchKV | None = None) -> DynamicCache:
