@@ -48,6 +48,18 @@ def fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+def kernel_times(ceiling: dict[str, Any]) -> str:
+    """One decode step's matmul time per dtype and kernel, as the ceiling child recorded it
+    (runs from before oneDNN was measured recorded `decode_matmul_s`, F.linear only)."""
+    by_kernel = ceiling.get("decode_matmul_by_kernel") or {
+        dtype: {"F.linear": s} for dtype, s in ceiling.get("decode_matmul_s", {}).items()
+    }
+    return "; ".join(
+        f"{dtype} " + ", ".join(f"{kernel} {s * 1e3:.0f} ms" for kernel, s in kernels.items())
+        for dtype, kernels in by_kernel.items()
+    )
+
+
 def md_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub markdown table; the first column left-aligned, the rest right-aligned."""
     head = "| " + " | ".join(columns) + " |"
@@ -236,10 +248,9 @@ def train_section(r: Result) -> str:
             "2 x vocab x hidden only per scored (model) token. Attention's own FLOPs are not "
             "counted. Rollout: the bandwidth ceiling is bandwidth x batch / (bytes a decode "
             "step reads: every weight and the batch's KV cache at the mean context); the kernel "
-            "ceiling is the batch over the time torch's own matmuls take for one decode step "
-            "(decode_matmul_s: "
-            + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in
-                        ceiling.get("decode_matmul_s", {}).items())
+            "ceiling is the batch over the time torch's fastest kernel takes for one decode "
+            "step's matmuls ("
+            + kernel_times(ceiling)
             + f" at {ceiling.get('decode_rows', '?')} rows), which shows how much of the "
             "bandwidth gap the matmul library already leaves.",
             md_table(["impl", "rollout tok/s", "bandwidth ceiling", "fraction", "kernel ceiling",

@@ -20,7 +20,8 @@ optimizer state, gradients at their peak, engine incl. its KV cache).
 Ceilings, measured in the same run (`ceiling` child, once per round): matmul FLOP/s on the
 model's own linear shapes (forward and both backward products, fp32 and bf16), the memory
 bandwidth of streaming a buffer far larger than the caches, and the time torch's own kernels take
-for one decode step's matmuls at the step's batch (every weight read once, `rows` rows). Each
+for one decode step's matmuls at the step's batch (every weight read once, `rows` rows; the
+fastest of `F.linear` and oneDNN on reordered weights). Each
 phase is reported against its bound:
 - update (reference + policy forward, backward): the time its matmuls take at the measured
   FLOP/s, over the time it took. FLOPs counted exactly: 2 x (layer parameters) per computed
@@ -384,15 +385,23 @@ def bandwidth_gb_s() -> float:
     return x.numel() * 4 / _best_of(lambda: x.sum(), repeats=3) / 1e9
 
 
-def decode_matmul_s(rows: int, dtype: torch.dtype) -> float:
-    """Seconds torch takes for one decode step's matmuls at `rows` rows: every layer's weights
-    and the LM head, each read once (fresh weights per layer, as in the model: no cache reuse)."""
+def decode_matmul_s(rows: int, dtype: torch.dtype) -> dict[str, float]:
+    """Seconds one decode step's matmuls take at `rows` rows, every layer's weights and the LM
+    head each read once (fresh weights per layer, as in the model: no cache reuse), per kernel:
+    `F.linear` (MKL on x86), and oneDNN on weights reordered once (`rollout/packed_linear.py`,
+    what the `hf` backend decodes with)."""
     layer, layers, _, vocab = model_shapes()
     hidden = model_config().hidden_size
     shapes = layer * layers + [(hidden, vocab)]
     weights = [torch.randn(o, i, dtype=dtype) for i, o in shapes]
     inputs = {i: torch.randn(rows, i, dtype=dtype) for i, _ in shapes}
-    return _best_of(lambda: [inputs[w.shape[1]] @ w.T for w in weights])
+    times = {"F.linear": _best_of(lambda: [inputs[w.shape[1]] @ w.T for w in weights])}
+    if torch.backends.mkldnn.is_available():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+        pairs = [(inputs[w.shape[1]], p) for w, p in zip(weights, packed, strict=True)]
+        linear = torch.ops.mkldnn._linear_pointwise
+        times["oneDNN"] = _best_of(lambda: [linear(x, p, None, "none", [], "") for x, p in pairs])
+    return times
 
 
 def model_sizes() -> dict[str, int]:
@@ -418,7 +427,7 @@ def worker_ceiling(args: argparse.Namespace) -> dict[str, Any]:
         "bf16": matmul_flops(tokens, torch.bfloat16),
         "bandwidth_gb_s": bandwidth_gb_s(),
         "decode_rows": rows,
-        "decode_matmul_s": {
+        "decode_matmul_by_kernel": {
             "fp32": decode_matmul_s(rows, torch.float32),
             "bf16": decode_matmul_s(rows, torch.bfloat16),
         },
@@ -517,7 +526,8 @@ def bounds(side: str, r: dict[str, Any], ceiling: dict[str, Any], rows: int) -> 
     context = r["prompt_tokens"] + r["model_tokens_mean"] / 2  # mean over a row's decode steps
     kv_bytes = ceiling["kv_bytes_per_token"] / (2 if engine_bf16 else 1) * rows * context
     decode_ceiling = ceiling["bandwidth_gb_s"] * 1e9 / (weight_bytes + kv_bytes) * rows  # tok/s
-    kernel_ceiling = rows / ceiling["decode_matmul_s"]["bf16" if engine_bf16 else "fp32"]
+    kernels = ceiling["decode_matmul_by_kernel"]["bf16" if engine_bf16 else "fp32"]
+    kernel_ceiling = rows / min(kernels.values())  # the fastest kernel torch has for the step
     rollout_tok_s = r["completion_tokens"] / max(r["rollout_s"], 1e-9)
     return {
         "update_tok_s": r["update_tokens"] / max(update_s, 1e-9),

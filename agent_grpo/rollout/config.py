@@ -31,6 +31,11 @@ class HFBackendConfig(ConfigModel):
     """Backend name."""
     max_batch_size: int = 64
     """Most sequences decoded together."""
+    packed_decode: bool = True
+    """On CPU, decode steps run the linear layers on oneDNN with the weights reordered once per
+    weight update (`agent_grpo/rollout/packed_linear.py`), which streams them faster than
+    `F.linear` at a few rows; it holds one more copy of the weights while a rollout runs.
+    false: `F.linear` throughout."""
 
 
 class VLLMBackendConfig(ConfigModel):

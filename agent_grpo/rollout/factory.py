@@ -83,7 +83,11 @@ def build_backend(
         from agent_grpo.rollout.hf_backend import HFBackend
 
         return HFBackend(
-            policy, tokenizer, max_batch_size=config.max_batch_size, compute_dtype=compute_dtype
+            policy,
+            tokenizer,
+            max_batch_size=config.max_batch_size,
+            compute_dtype=compute_dtype,
+            packed_decode=config.packed_decode,
         )
     if isinstance(config, VLLMBackendConfig):
         from agent_grpo.rollout.vllm_backend import VLLMBackend

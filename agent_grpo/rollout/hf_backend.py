@@ -52,6 +52,7 @@ from transformers.cache_utils import DynamicLayer
 
 from agent_grpo.rollout.backend import Generation, SamplingConfig
 from agent_grpo.rollout.kv_cache import reserved_cache
+from agent_grpo.rollout.packed_linear import PackedLinears, packing_supported
 from agent_grpo.tokens import turn_end_ids
 
 __all__ = [
@@ -297,6 +298,7 @@ class HFBackend:
         prefix_cache_entries: int = 256,
         prefix_cache_bytes: int = 1 << 30,
         compute_dtype: torch.dtype | None = None,
+        packed_decode: bool = True,
     ) -> None:
         layer_types = getattr(getattr(model, "config", None), "layer_types", None) or []
         if any(kind != "full_attention" for kind in layer_types):
@@ -313,6 +315,10 @@ class HFBackend:
         self.compute_dtype = compute_dtype
         """bf16: sample under bf16 autocast from fp32 weights (the trainer's master weights, as
         `model.dtype: bfloat16` keeps them); None: the weights' own dtype."""
+        dtype = compute_dtype or next(model.parameters()).dtype
+        self.packed = PackedLinears(model, dtype, max_batch_size) if packed_decode else None
+        """Decode steps' linear layers on oneDNN with reordered weights (`packed_linear.py`);
+        None, or a model it does not support (not on CPU, say): `F.linear` throughout."""
 
     @property
     def device(self) -> torch.device:
@@ -333,7 +339,7 @@ class HFBackend:
         was_training = self.model.training
         self.model.eval()  # the trainer's policy: restore its mode afterwards
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._linears():
                 for start in range(0, len(order), self.max_batch_size):
                     chunk = order[start : start + self.max_batch_size]
                     generations = self._generate_chunk(
@@ -345,14 +351,24 @@ class HFBackend:
         return [results[i] for i in range(len(prompts))]
 
     def update_weights(self, model: torch.nn.Module) -> None:
-        """Take the trainer's current weights; every cached KV was computed with old ones."""
+        """Take the trainer's current weights; every cached KV and packed weight is of old ones."""
         if model is not self.model:
             self.model.load_state_dict(model.state_dict())
         self.prefix_cache.clear()
+        if self.packed is not None:
+            self.packed.release()  # rebuilt on the next rollout; the update reuses the memory
 
     def close(self) -> None:
-        """Free the prefix cache."""
+        """Free the prefix cache and the packed weights."""
         self.prefix_cache.clear()
+        if self.packed is not None:
+            self.packed.release()
+
+    def _linears(self) -> contextlib.AbstractContextManager[None]:
+        """The packed decode layers when they apply to the model as it is now, else nothing."""
+        if self.packed is None or not packing_supported(self.model, self.packed.dtype):
+            return contextlib.nullcontext()
+        return self.packed.active()
 
     def _warm_shared_prefix(self, prompts: list[list[int]]) -> None:
         """Prefill the prompts' common prefix once, so every row reuses it from the cache.
