@@ -116,6 +116,10 @@ class TracingBackend:
         """Delegate."""
         self.inner.update_weights(model)
 
+    def free_caches(self) -> None:
+        """Delegate."""
+        self.inner.free_caches()
+
     def close(self) -> None:
         """Delegate."""
         self.inner.close()

@@ -52,6 +52,9 @@ class ScriptedBackend:
     def update_weights(self, model: torch.nn.Module) -> None:
         """Nothing to update."""
 
+    def free_caches(self) -> None:
+        """Nothing cached."""
+
     def close(self) -> None:
         """Nothing to release."""
 

@@ -6,6 +6,7 @@ from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult, Task
 from agent_grpo.train import rollout as train
 from agent_grpo.train.config import TrainConfig
 from agent_grpo.train.metrics import dead_group_mask
+from agent_grpo.train.workers import LocalRollouts
 from agent_grpo.trajectory import Lengths, Message, Termination, TrajectoryRecord
 
 
@@ -52,3 +53,31 @@ def test_without_dynamic_sampling_the_batch_is_kept_as_sampled(monkeypatch) -> N
     config = TrainConfig.model_validate({"rollout": {"tasks_per_step": 3, "group_size": 2}})
     result = train.collect(config, backend=None, tokenizer=None, stop=[], step=0)  # type: ignore[arg-type]
     assert len(result.records) == 6 and all(dead_group_mask(result.records))
+
+
+def test_the_local_engine_frees_its_caches_once_the_whole_collection_is_done(monkeypatch) -> None:
+    events: list[str] = []
+
+    def fake_collect_groups(tasks: list[Task], *args, step: int, run_id: str) -> RolloutResult:
+        events.append("round")
+        records = [
+            record(f"s{step}-t{t}", i, float(i) if task.seed % 2 else 0.0)
+            for t, task in enumerate(tasks)
+            for i in range(2)
+        ]
+        return RolloutResult(records=records, metrics=RolloutMetrics())
+
+    class Engine:
+        def free_caches(self) -> None:
+            events.append("free")
+
+    monkeypatch.setattr(train, "collect_groups", fake_collect_groups)
+    config = TrainConfig.model_validate({
+        "rollout": {"tasks_per_step": 4, "group_size": 2},
+        "algo": {"dynamic_sampling": True, "dynamic_sampling_max_rounds": 10},
+    })  # fmt: skip
+    rollouts = LocalRollouts(config, Engine(), tokenizer=None, stop=[])  # type: ignore[arg-type]
+    result = rollouts.collect(step=3, version=3)
+    assert events.count("round") > 1  # dynamic sampling took extra rounds
+    assert events[-1] == "free" and events.count("free") == 1
+    assert {r.policy_version for r in result.records} == {3}

@@ -123,3 +123,14 @@ def test_hf_backend_samples_the_same_tokens_packed_and_not(tiny_model):
     backend.update_weights(model)
     assert not backend.packed._packed  # the trainer pushed new weights: the copies are gone
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_free_caches_drops_the_packed_weights_and_the_prefix_cache(tiny_model):
+    from test_hf_backend import chat_ids
+
+    model, tokenizer = tiny_model
+    backend = HFBackend(model, tokenizer)
+    backend.generate([chat_ids(tokenizer, "Hi")] * 2, SamplingConfig(max_tokens=4), [0, 1])
+    assert backend.packed is not None and backend.packed._packed and len(backend.prefix_cache)
+    backend.free_caches()
+    assert not backend.packed._packed and not len(backend.prefix_cache)

@@ -228,6 +228,9 @@ class _ScriptedBackend:
     def update_weights(self, model: Any) -> None:
         """Nothing to update."""
 
+    def free_caches(self) -> None:
+        """Nothing cached."""
+
     def close(self) -> None:
         """Nothing to release."""
 

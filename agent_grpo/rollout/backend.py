@@ -70,6 +70,13 @@ class GenerationBackend(Protocol):
         """Load the trainer's current weights, dropping any cache computed with old weights."""
         ...
 
+    def free_caches(self) -> None:
+        """Drop what the engine holds only to sample faster with the current weights (the `hf`
+        loop's KV prefix cache and packed weights); the trainer calls it when a step's
+        collection ends, so that its update can use the memory. The next `generate` rebuilds
+        what it needs."""
+        ...
+
     def close(self) -> None:
         """Release the engine's resources."""
         ...

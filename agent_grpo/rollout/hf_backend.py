@@ -358,11 +358,16 @@ class HFBackend:
         if self.packed is not None:
             self.packed.release()  # rebuilt on the next rollout; the update reuses the memory
 
-    def close(self) -> None:
-        """Free the prefix cache and the packed weights."""
+    def free_caches(self) -> None:
+        """Free the prefix cache and the packed weights: both are of weights the trainer is about
+        to change (`update_weights` would drop them after the update; this frees them for it)."""
         self.prefix_cache.clear()
         if self.packed is not None:
             self.packed.release()
+
+    def close(self) -> None:
+        """Free the prefix cache and the packed weights."""
+        self.free_caches()
 
     def _linears(self) -> contextlib.AbstractContextManager[None]:
         """The packed decode layers when they apply to the model as it is now, else nothing."""

@@ -263,6 +263,9 @@ class OpenAIBackend:
             "Use the `vllm` backend for on-policy training."
         )
 
+    def free_caches(self) -> None:
+        """Nothing: the server's caches are the server's."""
+
     def close(self) -> None:
         """Close the HTTP client and stop the private loop; safe to call twice."""
         if self._client is None:

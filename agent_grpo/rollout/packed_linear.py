@@ -47,6 +47,7 @@ def packing_supported(model: nn.Module, dtype: torch.dtype) -> bool:
         m.weight.device.type == "cpu"
         and m.weight.dtype in PACKED_DTYPES
         and m.weight.layout == torch.strided
+        and not hasattr(m.weight, "device_mesh")  # a DTensor shard (FSDP2) is not the weight
         for m in linears
     )
 

@@ -221,6 +221,10 @@ class VLLMBackend:
         if not self.llm.reset_prefix_cache():
             raise VLLMBackendError("vLLM refused to reset its prefix cache (requests running?)")
 
+    def free_caches(self) -> None:
+        """Nothing: the engine's KV cache (its prefix cache included) is allocated once, at its
+        configured size, and kept."""
+
     def close(self) -> None:
         """Shut the engine down and free its memory; later calls raise `VLLMBackendError`."""
         if self._llm is None:

@@ -73,8 +73,12 @@ class LocalRollouts:
         self.config, self.backend, self.tokenizer, self.stop = config, backend, tokenizer, stop
 
     def collect(self, step: int, version: int) -> RolloutResult:
-        """`train.rollout.collect`, each record tagged with `version`."""
+        """`train.rollout.collect`, each record tagged with `version`; then the engine frees its
+        caches."""
         result = collect(self.config, self.backend, self.tokenizer, self.stop, step)
+        # Its caches are of the weights the update is about to change: let the update use that
+        # memory (the `hf` loop's packed weights and prefix KV).
+        self.backend.free_caches()
         for record in result.records:
             record.policy_version = version
         return result
