@@ -45,6 +45,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from agent_grpo.attention import use_grouped_sdpa
 from agent_grpo.config import close_match
 from agent_grpo.logs import get_logger
 
@@ -456,6 +457,7 @@ def load_model(
     model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
         source, dtype=dtype, device_map=device
     )
+    use_grouped_sdpa(model)
     return model.eval()
 
 
@@ -505,6 +507,7 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
+    use_grouped_sdpa(model)
     _set_generation_ids(model, config)
     return model.eval(), tokenizer
 

@@ -1,0 +1,73 @@
+"""Grouped-query attention with a mask, without copying the keys and values (on CPU).
+
+transformers' `sdpa` attention repeats every KV head to its query heads (`repeat_kv`: a copy of
+the layer's whole keys and values, on every call) whenever a mask is passed, because the fused
+CUDA kernels take grouped heads only without one. torch's CPU kernel takes grouped heads with a
+mask (`enable_gqa`), and our decode loop and our update always pass masks (padding, the shared
+prefix). `sdpa_gqa`, registered with transformers' `AttentionInterface`, is its `sdpa` with that
+one change: masked calls on CPU go to `scaled_dot_product_attention(..., enable_gqa=True)`, and
+every other call (no mask, another device, a position bias, a paged cache) to `sdpa` itself.
+
+Measured here (AMD EPYC, 2 threads, the embedded model, one process, alternating): a step's
+rollout of the issue-18 workload took 3.8-4.9 s against 4.6-5.3 s with `sdpa`, with the same
+tokens. The values are `sdpa`'s up to the kernel's reduction order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+__all__ = ["ATTENTION", "sdpa_gqa_forward", "use_grouped_sdpa"]
+
+ATTENTION = "sdpa_gqa"
+"""The attention implementation our models load with (`models.load_model`)."""
+
+
+def sdpa_gqa_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, Q, D]
+    key: torch.Tensor,  # [B, H_kv, K, D]
+    value: torch.Tensor,  # [B, H_kv, K, D]
+    attention_mask: torch.Tensor | None,  # [B, 1, Q, K] (bool, or additive float)
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' `sdpa`, with a masked grouped-query call on CPU left grouped."""
+    grouped = query.shape[1] != key.shape[1]
+    plain = (
+        attention_mask is None
+        or not grouped
+        or query.device.type != "cpu"
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("cache") is not None
+        or kwargs.get("output_attentions", False)
+    )
+    if plain:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    # With a mask, `sdpa` never sets is_causal: the mask says everything.
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+        enable_gqa=True,
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None  # [B, Q, H, D]
+
+
+AttentionInterface.register(ATTENTION, sdpa_gqa_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)  # the masks `sdpa` gets
+
+
+def use_grouped_sdpa(model: torch.nn.Module) -> None:
+    """Switch a transformers model that runs `sdpa` attention to `sdpa_gqa` (any other choice,
+    eager or flash attention, is left as it is)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == "sdpa":
+        model.set_attn_implementation(ATTENTION)  # type: ignore[operator]
