@@ -23,7 +23,8 @@ log = get_logger("train")
 def run_eval(
     config: TrainConfig, backend: GenerationBackend, tokenizer: Any, stop: list[str], label: str
 ) -> EvalResult | None:
-    """Evaluate on held-out seeds (None when evaluation is off)."""
+    """Evaluate on held-out seeds (None when evaluation is off); then the engine frees its
+    caches."""
     if config.eval is None:
         return None
     result, _ = evaluate_heldout(
@@ -31,6 +32,8 @@ def run_eval(
         max_context_tokens=config.rollout.max_context_tokens, seed=config.seed, stop=stop,
         progress=False,
     )  # fmt: skip
+    # Training comes next, and its warm start and update can use what the eval cached.
+    backend.free_caches()
     log.info("eval %s: success %.3f, pass@%d %.3f, tool calls %.2f", label,
              result.summary.success_rate, result.samples_per_task, result.pass_at_k,
              result.summary.tool_call_rate)  # fmt: skip
