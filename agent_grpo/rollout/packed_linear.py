@@ -5,15 +5,16 @@ time is how fast the matmul library streams the weights. On CPU, `F.linear` goes
 which at a handful of rows reads the weights far below the machine's bandwidth (and on AMD CPUs
 takes a slower code path than on Intel's). oneDNN, with the weight reordered once into its own
 blocked layout, is the kernel PyTorch's compiler (inductor, with `freezing`) uses on CPU for the
-same job; `bench/decode_kernels.py` measures both on the model's shapes.
+same job; the kernel ceiling of `bench/train_throughput.py` times both on the model's shapes.
 
 How it is used: `PackedLinears(model, dtype)` reorders every `nn.Linear` weight of the model on the
 first decode after the weights change (each weight's in-place version counter says when: the
 trainer's optimizer steps them in place), and `with packed.active():` routes those layers through
 oneDNN for the rows that fit `max_rows` (decode steps), leaving larger inputs (prefills) to
-`F.linear`. `release()` frees the copies: the backend calls it when the trainer pushes new weights,
-so the update's activations reuse that memory. The copies cost one more copy of the weights
-(4 bytes a parameter in fp32, 2 in bf16) while a rollout runs.
+`F.linear`. `release()` frees the copies: the backend calls it when a collection or an evaluation
+ends (`free_caches`) and when the trainer pushes new weights, so the update reuses that memory.
+The copies cost one more copy of the weights (4 bytes a parameter in fp32, 2 in bf16) while a
+rollout runs.
 
 Departures: with `dtype` bf16 and fp32 weights this is what autocast would do (bf16 matmul, bf16
 output) with the weights cast once per version instead of on every call. Results differ from
