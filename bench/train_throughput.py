@@ -396,7 +396,8 @@ def decode_matmul_s(rows: int, dtype: torch.dtype) -> dict[str, float]:
     weights = [torch.randn(o, i, dtype=dtype) for i, o in shapes]
     inputs = {i: torch.randn(rows, i, dtype=dtype) for i, _ in shapes}
     times = {"F.linear": _best_of(lambda: [inputs[w.shape[1]] @ w.T for w in weights])}
-    if torch.backends.mkldnn.is_available():
+    bf16_ok = dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if torch.backends.mkldnn.is_available() and bf16_ok:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
         pairs = [(inputs[w.shape[1]], p) for w, p in zip(weights, packed, strict=True)]
         linear = torch.ops.mkldnn._linear_pointwise

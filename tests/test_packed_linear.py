@@ -106,16 +106,27 @@ def test_supported_only_for_dense_cpu_floats():
     assert not packing_supported(nn.Sequential(nn.ReLU()), torch.float32)
 
 
-def test_hf_backend_samples_the_same_tokens_packed_and_not(tiny_model):
+def test_hf_backend_samples_the_same_tokens_packed_and_not(tiny_model, monkeypatch):
     from test_hf_backend import chat_ids, lively
 
     model, tokenizer = lively(tiny_model[0]), tiny_model[1]
     prompts = [chat_ids(tokenizer, q) for q in ("Hi", "What is 17 times 23?", "Rivers?")]
     sampling = SamplingConfig(temperature=0.0, max_tokens=12)
+    rows: list[int] = []
+    kernel = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):  # type: ignore[no-untyped-def]
+        rows.append(x.numel() // x.shape[-1])
+        return kernel(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
     backend = HFBackend(model, tokenizer)
     assert backend.packed is not None
     packed = backend.generate(prompts, sampling, [0, 1, 2])
-    assert backend.packed._packed  # decoding went through the reordered weights
+    # The decode steps' layers ran on oneDNN (a row per sequence still decoding; the short
+    # prefills here fit `max_batch_size` rows too), never more rows than that.
+    assert rows.count(len(prompts)) >= 7 * 11 and max(rows) <= backend.max_batch_size
+    monkeypatch.undo()
     plain = HFBackend(model, tokenizer, packed_decode=False).generate(prompts, sampling, [0, 1, 2])
     for a, b in zip(packed, plain, strict=True):
         assert a.token_ids == b.token_ids
@@ -123,6 +134,39 @@ def test_hf_backend_samples_the_same_tokens_packed_and_not(tiny_model):
     backend.update_weights(model)
     assert not backend.packed._packed  # the trainer pushed new weights: the copies are gone
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_an_optimizer_step_then_update_weights_samples_the_new_weights(tiny_model):
+    """Fused AdamW writes the weights without bumping their version counters: `update_weights`,
+    which the trainer calls after every step, is what refreshes the copies."""
+    from test_hf_backend import chat_ids, lively
+
+    from agent_grpo.train.optimizer import adamw
+
+    model, tokenizer = lively(tiny_model[0]), tiny_model[1]
+    prompts = [chat_ids(tokenizer, q) for q in ("Hi", "What is 17 times 23?")]
+    sampling = SamplingConfig(temperature=0.0, max_tokens=8)
+    backend = HFBackend(model, tokenizer)
+    backend.generate(prompts, sampling, [0, 1])
+    optimizer = adamw(list(model.parameters()), lr=0.05)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    backend.update_weights(model)
+    after = backend.generate(prompts, sampling, [0, 1])
+    fresh = HFBackend(model, tokenizer, packed_decode=False).generate(prompts, sampling, [0, 1])
+    for a, b in zip(after, fresh, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_a_forward_already_on_the_instance_is_put_back():
+    model = layers()
+    wrapper = model[0].forward  # what a hook library leaves on an instance
+    model[0].__dict__["forward"] = wrapper
+    with torch.inference_mode(), PackedLinears(model, torch.float32).active():
+        assert model[0].__dict__["forward"] is not wrapper
+    assert model[0].__dict__["forward"] is wrapper and "forward" not in model[1].__dict__
 
 
 def test_free_caches_drops_the_packed_weights_and_the_prefix_cache(tiny_model):

@@ -8,13 +8,15 @@ blocked layout, is the kernel PyTorch's compiler (inductor, with `freezing`) use
 same job; the kernel ceiling of `bench/train_throughput.py` times both on the model's shapes.
 
 How it is used: `PackedLinears(model, dtype)` reorders every `nn.Linear` weight of the model on the
-first decode after the weights change (each weight's in-place version counter says when: the
-trainer's optimizer steps them in place), and `with packed.active():` routes those layers through
+first decode after `release()`, and `with packed.active():` routes those layers through
 oneDNN for the rows that fit `max_rows` (decode steps), leaving larger inputs (prefills) to
 `F.linear`. `release()` frees the copies: the backend calls it when a collection or an evaluation
 ends (`free_caches`) and when the trainer pushes new weights, so the update reuses that memory.
 The copies cost one more copy of the weights (4 bytes a parameter in fp32, 2 in bf16) while a
-rollout runs.
+rollout runs. Like the backend's prefix cache, they rely on `update_weights` after the weights
+change: torch's fused AdamW writes the weights without bumping their version counter. The
+counter still catches the writes that do bump it (`copy_`, `load_state_dict`, in-place math),
+and a copy whose weight moved on is rebuilt.
 
 Departures: with `dtype` bf16 and fp32 weights this is what autocast would do (bf16 matmul, bf16
 output) with the weights cast once per version instead of on every call. Results differ from
@@ -85,15 +87,19 @@ class PackedLinears:
         linears = [m for m in self.model.modules() if type(m) is nn.Linear]
         # Layers no longer in the model drop out; fresh copies are kept, stale ones rebuilt.
         self._packed = {module: self._fresh(module) for module in linears}
+        # An instance attribute shadows the class's forward for this module only; one already
+        # there (a hook library's wrapper) is put back afterwards.
+        shadowed = {m: m.__dict__["forward"] for m in linears if "forward" in m.__dict__}
         try:
             for module in linears:
-                # An instance attribute shadows the class's forward for this module only.
                 forward = _forward_fn(module, self._packed[module], self.max_rows)
                 module.__dict__["forward"] = forward
             yield
         finally:
             for module in linears:
                 module.__dict__.pop("forward", None)
+                if module in shadowed:
+                    module.__dict__["forward"] = shadowed[module]
 
     def _fresh(self, module: nn.Linear) -> _Packed:
         """The layer's packed copy, reordered again if the weight changed since."""

@@ -116,6 +116,7 @@ class RolloutWorker:
         )
         for record in result.records:
             record.policy_version = self.version
+        self.backend.free_caches()  # the trainer's update, on this machine too, needs the memory
         return result
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int = 0) -> None:
