@@ -354,9 +354,7 @@ class HFBackend:
         """Take the trainer's current weights; every cached KV and packed weight is of old ones."""
         if model is not self.model:
             self.model.load_state_dict(model.state_dict())
-        self.prefix_cache.clear()
-        if self.packed is not None:
-            self.packed.release()  # rebuilt on the next rollout; the update reuses the memory
+        self.free_caches()
 
     def free_caches(self) -> None:
         """Free the prefix cache and the packed weights: both are of weights the trainer is about

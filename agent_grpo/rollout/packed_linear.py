@@ -45,7 +45,7 @@ def packing_supported(model: nn.Module, dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    linears = _linear_layers(model)
     return bool(linears) and all(
         m.weight.device.type == "cpu"
         and m.weight.dtype in PACKED_DTYPES
@@ -84,7 +84,7 @@ class PackedLinears:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Route every `nn.Linear` of the model through its reordered copy for the duration."""
-        linears = [m for m in self.model.modules() if type(m) is nn.Linear]
+        linears = _linear_layers(self.model)
         # Layers no longer in the model drop out; fresh copies are kept, stale ones rebuilt.
         self._packed = {module: self._fresh(module) for module in linears}
         # An instance attribute shadows the class's forward for this module only; one already
@@ -113,9 +113,14 @@ class PackedLinears:
         return _Packed(reordered, bias, _version(module))
 
 
+def _linear_layers(model: nn.Module) -> list[nn.Linear]:
+    """The model's plain `nn.Linear` layers (subclasses may compute something else)."""
+    return [m for m in model.modules() if type(m) is nn.Linear]
+
+
 def _version(module: nn.Linear) -> tuple[int, int] | None:
-    """How many times the weight and the bias were written in place (the optimizer's steps,
-    `load_state_dict`)."""
+    """How many times the weight and the bias were written in place through ops that bump the
+    counter (`copy_`, `load_state_dict`; not fused AdamW's step)."""
     tensors = [module.weight] if module.bias is None else [module.weight, module.bias]
     if any(t.is_inference() for t in tensors):
         return None
