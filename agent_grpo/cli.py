@@ -119,6 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(with_replay=argv[:1] != ["model"]).parse_args(argv)
+    code = _run(args)
+    if args.func is _cmd_train:
+        from agent_grpo.train.parallel import end_rank, launched_by_torchrun
+
+        if launched_by_torchrun():  # gloo can abort a rank in the interpreter's teardown
+            end_rank(code)
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The subcommand's exit status; a mistake in the user's input is one line on stderr."""
     try:
         return int(args.func(args))
     except Exception as error:

@@ -36,6 +36,7 @@ from agent_grpo.train.batch import PackedBatch
 from agent_grpo.train.config import AlgoConfig
 from agent_grpo.train.parallel import (
     DistContext,
+    end_rank,
     full_state_dict,
     global_sum,
     init_distributed,
@@ -218,9 +219,11 @@ def main(argv: list[str]) -> None:
         if ctx.is_main:
             torch.save(result, Path(out_dir) / f"{mode}.pt")
     # Tear down together: a rank destroying its process group while another still talks to it
-    # can abort gloo ("terminate called without an active exception") under load.
+    # can abort gloo ("terminate called without an active exception") under load, and so can
+    # the interpreter's teardown after FSDP2 (`end_rank`).
     dist.barrier()
     dist.destroy_process_group()
+    end_rank(0)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ tolerance on parameters is a tolerance on gradients (Adam's first step is lr * s
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +185,46 @@ def test_collectives_are_identity_in_one_process():
     x = torch.tensor([1.5, -2.0])
     assert torch.equal(global_sum(x, DistContext()), x)
     assert torch.equal(global_max(x, DistContext()), x)
+
+
+END_RANK_SCRIPT = """
+import atexit, pathlib, sys
+from agent_grpo.train.parallel import end_rank
+
+out = pathlib.Path(sys.argv[1])
+
+
+class TornDown:
+    # `__del__` of a module global runs in the interpreter's teardown, which end_rank skips;
+    # it holds what it needs itself, as the teardown clears the module's globals first
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __del__(self, _open=open) -> None:
+        with _open(self.path, "w") as f:
+            f.write("ran")
+
+
+kept = TornDown(str(out / "teardown"))
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+sys.stdout.write("unflushed, no newline")
+end_rank(3)
+"""
+
+
+def test_end_rank_runs_atexit_and_flushes_then_skips_the_teardown(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout buffered
+    done = subprocess.run(
+        [sys.executable, "-c", END_RANK_SCRIPT, str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "unflushed, no newline"
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert not (tmp_path / "teardown").exists()
+    plain = END_RANK_SCRIPT.replace("end_rank(3)", "sys.exit(3)")  # the same script, plain exit
+    subprocess.run([sys.executable, "-c", plain, str(tmp_path)], timeout=120, check=False)
+    assert (tmp_path / "teardown").read_text() == "ran"  # so the check above can fail
 
 
 def test_loss_denominator_by_aggregation():

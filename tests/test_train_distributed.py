@@ -56,7 +56,8 @@ LATER_REL = 1e-3
 def train(root: Path, model_dir: Path, name: str, *args: str, mode: str = "none") -> Path:
     """`agent-grpo train` with the test settings: one process for mode none, else 2 ranks."""
     (root / "e2e_rules.py").write_text(RULE)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as users run it
+    env |= {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     command = ["-m", "agent_grpo.cli", "train", CONFIG, f"model.name_or_path={model_dir}"]
     command += [f"run.root={root}", f"run.name={name}", f"distributed.mode={mode}", *SETTINGS]
     command += list(args)
@@ -68,6 +69,7 @@ def train(root: Path, model_dir: Path, name: str, *args: str, mode: str = "none"
     else:
         done = run_torchrun(command, env, timeout=600, cwd=root)
     assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert str(root / name) in done.stdout  # the CLI printed the run
     return root / name
 
 

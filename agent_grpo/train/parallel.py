@@ -36,6 +36,14 @@ Where we depart from common practice:
 - Every rank runs the same number of micro-batches: a rank with fewer (or no) rows runs one row
   again with an empty loss mask (zero loss, zero gradient). FSDP2 all-gathers in every forward,
   so unequal counts would deadlock; verl and TRL drop or pad rows instead.
+- A torchrun rank ends with `end_rank`: the atexit handlers run, then the process exits without
+  the interpreter's teardown. FSDP2 leaves its device mesh, and through it the gloo process
+  group, in torch's own caches after `destroy_process_group`; the final garbage collection then
+  frees the group while a gloo thread still drops an `AsyncWork`'s tensors, which needs the GIL
+  the finalising interpreter no longer hands out, so the thread exits through a `noexcept`
+  destructor and the rank aborts ("terminate called without an active exception", SIGABRT;
+  5 of 28 runs of `tests/dist_worker.py` beside two busy loops). pytorch/pytorch#179291,
+  closed unmerged, describes it; torch 2.13 still does it (seen in a core dump).
 - Under FSDP2 the shared-prefix pass (`algo.shared_prefix`) is off: same loss, more compute
   (see `wrap_policy`). DDP keeps it.
 - Whole GRPO groups are dealt round-robin to ranks (so a group's shared prompt is run once, on
@@ -50,12 +58,14 @@ Where we depart from common practice:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -148,6 +158,25 @@ def init_distributed(
             chosen, device_id=placed if chosen == "nccl" else None, timeout=timeout
         )
     return DistContext(rank, world_size, local_rank, placed)
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of several (torchrun sets `WORLD_SIZE`)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def end_rank(code: int) -> NoReturn:
+    """End this torchrun rank with exit status `code`, skipping the interpreter's teardown.
+
+    The atexit handlers run first (logging flushes and closes its files, Ray shuts down) and
+    stdout and stderr are flushed, so nothing written is lost; only the final garbage collection
+    is skipped, in which gloo can abort the rank (see the module docstring).
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken pipe must not change `code`
+            stream.flush()
+    os._exit(code)
 
 
 # ---- collectives and the row split --------------------------------------------------------------
