@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from typing import Any
 
 from agent_grpo.config import ConfigError
@@ -115,17 +116,27 @@ def build_parser(*, with_replay: bool = True) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `agent-grpo` command."""
+    """Entry point of the `agent-grpo` command; its exit status.
+
+    `agent-grpo train` as one rank of several (torchrun) does not return: the rank ends through
+    `end_rank`, as gloo can abort it in the interpreter's teardown, and a failure is printed
+    with its traceback and ends the rank with status 1.
+    """
     setup_logging()
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(with_replay=argv[:1] != ["model"]).parse_args(argv)
-    code = _run(args)
-    if args.func is _cmd_train:
-        from agent_grpo.train.parallel import end_rank, launched_by_torchrun
+    if args.func is not _cmd_train:
+        return _run(args)
+    from agent_grpo.train.parallel import end_rank, launched_by_torchrun
 
-        if launched_by_torchrun():  # gloo can abort a rank in the interpreter's teardown
-            end_rank(code)
-    return code
+    if not launched_by_torchrun():
+        return _run(args)
+    try:
+        code = _run(args)
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    end_rank(code)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -21,10 +21,12 @@ import pytest
 import torch
 from dist_worker import run_torchrun
 
+from agent_grpo import cli
 from agent_grpo.algo.grpo import policy_loss, truncated_is_weights
 from agent_grpo.algo.objective import loss_denominator
 from agent_grpo.logprobs import token_logprobs
 from agent_grpo.models import load_model
+from agent_grpo.train import parallel
 from agent_grpo.train.batch import PackedBatch
 from agent_grpo.train.config import AlgoConfig
 from agent_grpo.train.parallel import (
@@ -188,7 +190,7 @@ def test_collectives_are_identity_in_one_process():
 
 
 END_RANK_SCRIPT = """
-import atexit, pathlib, sys
+import atexit, pathlib, sys, threading, time
 from agent_grpo.train.parallel import end_rank
 
 out = pathlib.Path(sys.argv[1])
@@ -205,14 +207,20 @@ class TornDown:
             f.write("ran")
 
 
+def late_write() -> None:  # a non-daemon thread still working: a normal exit waits for it
+    time.sleep(0.3)
+    (out / "thread").write_text("ran")
+
+
 kept = TornDown(str(out / "teardown"))
 atexit.register(lambda: (out / "atexit").write_text("ran"))
+threading.Thread(target=late_write).start()
 sys.stdout.write("unflushed, no newline")
 end_rank(3)
 """
 
 
-def test_end_rank_runs_atexit_and_flushes_then_skips_the_teardown(tmp_path):
+def test_end_rank_joins_threads_runs_atexit_and_flushes_then_skips_the_teardown(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout buffered
     done = subprocess.run(
         [sys.executable, "-c", END_RANK_SCRIPT, str(tmp_path)],
@@ -221,10 +229,54 @@ def test_end_rank_runs_atexit_and_flushes_then_skips_the_teardown(tmp_path):
     assert done.returncode == 3, done.stderr
     assert done.stdout == "unflushed, no newline"
     assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "ran"
     assert not (tmp_path / "teardown").exists()
     plain = END_RANK_SCRIPT.replace("end_rank(3)", "sys.exit(3)")  # the same script, plain exit
     subprocess.run([sys.executable, "-c", plain, str(tmp_path)], timeout=120, check=False)
     assert (tmp_path / "teardown").read_text() == "ran"  # so the check above can fail
+
+
+class Ended(Exception):
+    """Raised by the stand-in for `end_rank`, which must not return."""
+
+
+@pytest.fixture
+def ended(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The codes `end_rank` was called with, in place of ending the test process."""
+    codes: list[int] = []
+
+    def fake_end_rank(code: int) -> None:
+        codes.append(code)
+        raise Ended
+
+    monkeypatch.setattr(parallel, "end_rank", fake_end_rank)
+    return codes
+
+
+def test_the_cli_ends_a_torchrun_rank_with_the_train_status(ended, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(Ended):
+        cli.main(["train", str(tmp_path / "missing.yaml")])  # a one-line config error: 2
+    assert ended == [2]
+    assert "does not exist" in capsys.readouterr().err
+
+    def crash(args: object) -> int:
+        raise RuntimeError("the rank failed")
+
+    monkeypatch.setattr(cli, "_cmd_train", crash)
+    with pytest.raises(Ended):
+        cli.main(["train", "any.yaml"])
+    assert ended == [2, 1]
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: the rank failed" in err
+
+
+def test_the_cli_returns_outside_torchrun_and_for_other_commands(ended, monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert cli.main(["train", str(tmp_path / "missing.yaml")]) == 2
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["envs"]) == 0
+    assert ended == []
 
 
 def test_loss_denominator_by_aggregation():

@@ -63,6 +63,7 @@ import contextlib
 import datetime
 import os
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, TypeVar, cast
@@ -81,12 +82,14 @@ __all__ = [
     "broadcast_module",
     "broadcast_object",
     "clip_grad_norm",
+    "end_rank",
     "full_optimizer_state",
     "full_state_dict",
     "global_max",
     "global_sum",
     "grad_sync",
     "init_distributed",
+    "launched_by_torchrun",
     "load_full_optimizer_state",
     "resolve_device",
     "shard_rows",
@@ -168,14 +171,18 @@ def launched_by_torchrun() -> bool:
 def end_rank(code: int) -> NoReturn:
     """End this torchrun rank with exit status `code`, skipping the interpreter's teardown.
 
-    The atexit handlers run first (logging flushes and closes its files, Ray shuts down) and
-    stdout and stderr are flushed, so nothing written is lost; only the final garbage collection
-    is skipped, in which gloo can abort the rank (see the module docstring).
+    What a normal exit does first is done here, in its order: non-daemon threads are joined
+    (thread pools finish their work), the atexit handlers run (logging flushes and closes its
+    files, Ray shuts down, MCP servers stop) and Python's stdout and stderr are flushed. Only the
+    teardown after that is skipped: the final garbage collection, in which gloo can abort the
+    rank (see the module docstring).
     """
+    threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         with contextlib.suppress(Exception):  # a closed or broken pipe must not change `code`
-            stream.flush()
+            if stream is not None:
+                stream.flush()
     os._exit(code)
 
 
