@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,8 +70,13 @@ def train(root: Path, model_dir: Path, name: str, *args: str, mode: str = "none"
     else:
         done = run_torchrun(command, env, timeout=600, cwd=root)
     assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    assert str(root / name) in done.stdout  # the CLI printed the run
-    return root / name
+    # Every rank prints the one directory rank 0 wrote, alone on a line (two ranks' prints may
+    # share one); a log line naming the directory says more than the path.
+    path = re.escape(str(root / name)) + r"(?:-\d{8}-\d{6})?"
+    lines = [line for line in done.stdout.splitlines() if re.fullmatch(f"(?:{path})+", line)]
+    printed = {p for line in lines for p in re.findall(path, line)}
+    assert len(printed) == 1, printed
+    return Path(printed.pop())
 
 
 def final_checkpoint(run: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -156,6 +162,14 @@ def test_fsdp_resumes_its_own_checkpoint(
     for index, state in want["state"].items():
         first = {"m": optimizer["state"][index]["exp_avg"]}
         assert max_rel_diff(first, {"m": state["exp_avg"]}) < LATER_REL
+
+
+@pytest.mark.slow
+def test_every_rank_names_the_directory_rank_0_wrote(runs: dict[str, Path], tiny_model_dir):
+    root = runs["ddp"].parent
+    again = train(root, tiny_model_dir, "ddp", "steps=1", "eval=null", mode="ddp")
+    assert again != runs["ddp"] and again.parent == root  # the name was taken: a fresh one
+    assert (again / "config.yaml").is_file()
 
 
 def test_a_launch_that_does_not_fit_the_mode_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -363,4 +363,7 @@ def _train(
         rollouts.close()
     if backend is not None:
         backend.close()
-    return run.path if run is not None else Path(config.run.root) / config.run.name
+    # Rank 0's directory on every rank: it may have taken a fresh name (`open_run`).
+    path = broadcast_object(run.path if run is not None else None, ctx)
+    assert path is not None, "rank 0 always opens the run"
+    return path
