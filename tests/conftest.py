@@ -7,7 +7,9 @@ Session-scoped objects (`tokenizer`, `tiny_model_dir`) are shared by every test:
 from __future__ import annotations
 
 import copy
+import logging
 import os
+from collections.abc import Iterator
 
 # Set before anything imports huggingface_hub (it reads this once, at import): no test downloads.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -31,6 +33,19 @@ if "OMP_NUM_THREADS" not in os.environ:
     # Test models are tiny; on a small shared CI box, intra-op threads fight each other and a
     # 135M forward pass goes from 0.5 s to 5+ s.
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def cli_logging() -> Iterator[None]:
+    """For a test that calls `cli.main` in-process: the `agent_grpo` logger as it was after it.
+
+    `main` runs `setup_logging`, whose console handler holds the test's captured stdout and would
+    print every later test's log lines into that test's output.
+    """
+    logger = logging.getLogger("agent_grpo")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved
 
 
 @pytest.fixture(scope="session")

@@ -241,7 +241,7 @@ class Ended(Exception):
 
 
 @pytest.fixture
-def ended(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def ended(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -> list[int]:
     """The codes `end_rank` was called with, in place of ending the test process."""
     codes: list[int] = []
 

@@ -469,7 +469,10 @@ def test_disk_full_in_metrics_leaves_them_readable(
 
 
 def test_cli_reports_a_full_disk_as_one_line_and_exit_2(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    cli_logging: None,
 ) -> None:
     from agent_grpo import cli
 
