@@ -42,7 +42,7 @@ Where we depart from common practice:
   frees the group while a gloo thread still drops an `AsyncWork`'s tensors, which needs the GIL
   the finalising interpreter no longer hands out, so the thread exits through a `noexcept`
   destructor and the rank aborts ("terminate called without an active exception", SIGABRT;
-  5 of 28 runs of `tests/dist_worker.py` beside two busy loops). pytorch/pytorch#179291,
+  5 of 40 runs of `tests/dist_worker.py` beside two busy loops). pytorch/pytorch#179291,
   closed unmerged, describes it; torch 2.13 still does it (seen in a core dump).
 - Under FSDP2 the shared-prefix pass (`algo.shared_prefix`) is off: same loss, more compute
   (see `wrap_policy`). DDP keeps it.
