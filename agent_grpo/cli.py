@@ -127,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(with_replay=argv[:1] != ["model"]).parse_args(argv)
     if args.func is not _cmd_train:
         return _run(args)
-    from agent_grpo.train.parallel import end_rank, launched_by_torchrun
+    from agent_grpo.train.parallel import end_rank, launched_world_size
 
-    if not launched_by_torchrun():
+    if launched_world_size() == 1:
         return _run(args)
     try:
         code = _run(args)

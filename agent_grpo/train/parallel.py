@@ -89,7 +89,7 @@ __all__ = [
     "global_sum",
     "grad_sync",
     "init_distributed",
-    "launched_by_torchrun",
+    "launched_world_size",
     "load_full_optimizer_state",
     "resolve_device",
     "shard_rows",
@@ -139,6 +139,11 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return device
 
 
+def launched_world_size() -> int:
+    """How many processes torchrun launched (its `WORLD_SIZE`); 1 outside torchrun."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(
     backend: str | None = None, timeout_s: float | None = None, device: str = "auto"
 ) -> DistContext:
@@ -148,7 +153,7 @@ def init_distributed(
     otherwise; `timeout_s` bounds every collective (torch's default: 10 min nccl, 30 gloo).
     """
     rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = launched_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     placed = resolve_device(device, local_rank)
     cuda = placed.type == "cuda"
@@ -161,11 +166,6 @@ def init_distributed(
             chosen, device_id=placed if chosen == "nccl" else None, timeout=timeout
         )
     return DistContext(rank, world_size, local_rank, placed)
-
-
-def launched_by_torchrun() -> bool:
-    """Whether this process is one rank of several (torchrun sets `WORLD_SIZE`)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def end_rank(code: int) -> NoReturn:

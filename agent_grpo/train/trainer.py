@@ -6,7 +6,6 @@ the `wrap_*` functions; the same `Trainer` serves both.
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from agent_grpo.train.parallel import (
     broadcast_object,
     full_state_dict,
     init_distributed,
+    launched_world_size,
     resolve_device,
     unwrap_policy,
     wrap_policy,
@@ -87,7 +87,7 @@ def compute_dtype(config: TrainConfig) -> torch.dtype:
 
 def start_distributed(config: TrainConfig) -> DistContext:
     """Join the torchrun job that `distributed.mode` asks for; refuse a launch that does not fit."""
-    mode, world = config.distributed.mode, int(os.environ.get("WORLD_SIZE", "1"))
+    mode, world = config.distributed.mode, launched_world_size()
     if mode == "none" and world > 1:
         raise ConfigError(
             f"distributed.mode=none under torchrun with {world} processes would train {world} "
