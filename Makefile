@@ -51,7 +51,7 @@ lint: install
 	$(BIN)/ruff format --check .
 
 typecheck: install
-	scripts/typecheck.sh
+	$(BIN)/mypy -p agent_grpo
 
 pytest: install model sandbox-deps
 	scripts/install-chromium.sh

@@ -5,10 +5,11 @@ light (no torch):
 
 - `agent_grpo.train(config)`: the `agent-grpo train` job; returns its `Run`.
 - `agent_grpo.evaluate(config)`: the `agent-grpo eval` job; returns its `Run`.
-- `agent_grpo.load_run(path)`: a run directory read for analysis (`agent_grpo.runs.Run`).
+- `agent_grpo.load_run(path)`: a run directory read for analysis (`agent_grpo.Run`).
 
-`agent_grpo.train` and `agent_grpo.evaluate` are also the trainer package and the evaluation
-module; both are callable as the API functions (agent_grpo/callable_module.py says why).
+The package's folders are its concepts (docs/architecture.md): `algo/`, `rollout/`, `trainer/`,
+`evaluation/`, `run_dir/`, `inspect/`, `envs/`, `tools/`, `sandbox/`, `trajectory/`, `models/`,
+`config/`, and `testing/` for the doubles tests use.
 """
 
 from __future__ import annotations
@@ -16,20 +17,31 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from agent_grpo import _moved
+
 if TYPE_CHECKING:
-    from agent_grpo.runs import Run, load_run
+    from agent_grpo.api import evaluate, train
+    from agent_grpo.run_dir.reader import Run, load_run
 
 __version__ = "0.1.0"
 
 __all__ = ["Run", "evaluate", "load_run", "train"]
 
-_CALLABLE_MODULES = ("train", "evaluate")
-_RUNS = ("Run", "load_run")
+_LAZY = {
+    "train": "agent_grpo.api",
+    "evaluate": "agent_grpo.api",
+    "Run": "agent_grpo.run_dir.reader",
+    "load_run": "agent_grpo.run_dir.reader",
+}
+
+_moved.install()
 
 
 def __getattr__(name: str) -> Any:
-    if name in _CALLABLE_MODULES:  # importing binds the (callable) module as our attribute
-        return importlib.import_module(f"agent_grpo.{name}")
-    if name in _RUNS:
-        return getattr(importlib.import_module("agent_grpo.runs"), name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'agent_grpo' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agent_grpo.config import ConfigModel, apply_overrides, load_config, validate_config
-from agent_grpo.runs import Run, load_run
+from agent_grpo.config.base import ConfigModel, apply_overrides, load_config, validate_config
+from agent_grpo.run_dir.reader import Run, load_run
 
 __all__ = ["ConfigLike", "as_config", "evaluate", "load_run", "train"]
 
@@ -38,8 +38,8 @@ def as_config(cls: type[C], config: ConfigLike, overrides: Sequence[str] = ()) -
 def train(config: ConfigLike, *, overrides: Sequence[str] = (), resume: bool = False) -> Run:
     """Train as `agent-grpo train` does (base eval, warm start, GRPO, final eval); returns the
     run. `resume` continues the run named by `run.name` from its last checkpoint."""
-    from agent_grpo.train.config import TrainConfig
-    from agent_grpo.train.loop import train as train_job
+    from agent_grpo.config.jobs import TrainConfig
+    from agent_grpo.trainer.loop import train as train_job
 
     return Run(train_job(as_config(TrainConfig, config, overrides), resume=resume))
 
@@ -47,7 +47,7 @@ def train(config: ConfigLike, *, overrides: Sequence[str] = (), resume: bool = F
 def evaluate(config: ConfigLike, *, overrides: Sequence[str] = ()) -> Run:
     """Evaluate a model on held-out seeds as `agent-grpo eval` does; returns the run, whose
     `final_eval()` holds the metrics."""
-    from agent_grpo.eval_run import run_eval_job
-    from agent_grpo.train.config import EvalRunConfig
+    from agent_grpo.config.jobs import EvalRunConfig
+    from agent_grpo.evaluation.job import run_eval_job
 
     return Run(run_eval_job(as_config(EvalRunConfig, config, overrides)))

@@ -7,12 +7,12 @@ import sys
 import traceback
 from typing import Any
 
-from agent_grpo.config import ConfigError
+from agent_grpo.config.base import ConfigError
 from agent_grpo.logs import setup_logging
 
 
 def _cmd_model_fetch(args: argparse.Namespace) -> int:
-    from agent_grpo.models import fetch_embedded_model
+    from agent_grpo.models.loading import fetch_embedded_model
 
     print(fetch_embedded_model(args.name, force=args.force))
     return 0
@@ -27,9 +27,9 @@ def _quiet_transformers() -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from agent_grpo.config import load_config
-    from agent_grpo.train import train
-    from agent_grpo.train.config import TrainConfig
+    from agent_grpo.config.base import load_config
+    from agent_grpo.config.jobs import TrainConfig
+    from agent_grpo.trainer.loop import train
 
     config = load_config(TrainConfig, args.config, args.overrides)
     _quiet_transformers()
@@ -38,9 +38,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from agent_grpo.config import load_config
-    from agent_grpo.eval_run import run_eval_job
-    from agent_grpo.train.config import EvalRunConfig
+    from agent_grpo.config.base import load_config
+    from agent_grpo.config.jobs import EvalRunConfig
+    from agent_grpo.evaluation.job import run_eval_job
 
     config = load_config(EvalRunConfig, args.config, args.overrides)
     _quiet_transformers()
@@ -56,14 +56,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from agent_grpo.config_schema import schema_markdown
+    from agent_grpo.config.schema import schema_markdown
 
     print(schema_markdown(), end="")
     return 0
 
 
 def _cmd_envs(args: argparse.Namespace) -> int:
-    from agent_grpo.registry import list_envs
+    from agent_grpo.envs.registry import list_envs
 
     for env_id in list_envs():
         print(env_id)
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(with_replay=argv[:1] != ["model"]).parse_args(argv)
     if args.func is not _cmd_train:
         return _run(args)
-    from agent_grpo.train.parallel import end_rank, launched_world_size
+    from agent_grpo.trainer.parallel import end_rank, launched_world_size
 
     if launched_world_size() == 1:
         return _run(args)
@@ -153,10 +153,10 @@ def _run(args: argparse.Namespace) -> int:
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that name a problem in the user's input or setup, printed as one line. Imported
     only once one is raised, so `agent-grpo model fetch` stays light."""
-    from agent_grpo.models import CorruptModelError, ModelFetchError, ModelNotFoundError
+    from agent_grpo.models.loading import CorruptModelError, ModelFetchError, ModelNotFoundError
     from agent_grpo.rollout.collector import EnvStepError, PromptTooLongError
-    from agent_grpo.store import RunDirWriteError
-    from agent_grpo.tokens import ChatTemplateError
+    from agent_grpo.run_dir.writer import RunDirWriteError
+    from agent_grpo.trajectory.tokens import ChatTemplateError
 
     # RunDirWriteError: a full disk; the run directory stays readable and resumable.
     return (ConfigError, ModelNotFoundError, ModelFetchError, CorruptModelError,

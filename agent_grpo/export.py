@@ -10,10 +10,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from agent_grpo.config import ConfigError
-from agent_grpo.models import load_model, load_tokenizer
-from agent_grpo.store import RunDir
-from agent_grpo.train.lora import is_adapter_dir
+from agent_grpo.config.base import ConfigError
+from agent_grpo.models.loading import load_model, load_tokenizer
+from agent_grpo.run_dir.writer import RunWriter
+from agent_grpo.trainer.lora import is_adapter_dir
 
 __all__ = ["export_run"]
 
@@ -21,7 +21,7 @@ __all__ = ["export_run"]
 def export_run(run_path: str | Path, out: str | Path) -> Path:
     """Write the latest checkpoint of `run_path` to `out` (see the module docstring)."""
     try:
-        run = RunDir.open(run_path)
+        run = RunWriter.open(run_path)
     except FileNotFoundError as error:
         raise ConfigError(str(error)) from None
     checkpoint = run.latest_checkpoint()

@@ -30,11 +30,11 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.envs.registration import EnvSpec
 
-from agent_grpo.config import ConfigError, close_match
-from agent_grpo.env import HELDOUT_SEEDS, TRAIN_SEEDS
-from agent_grpo.models import check_model_source
-from agent_grpo.registry import env_spec, make_env
-from agent_grpo.train.config import EnvConfig, EvalRunConfig, TrainConfig
+from agent_grpo.config.base import ConfigError, close_match
+from agent_grpo.config.jobs import EnvConfig, EvalRunConfig, TrainConfig
+from agent_grpo.envs.registry import env_spec, make_env
+from agent_grpo.envs.text_env import HELDOUT_SEEDS, TRAIN_SEEDS
+from agent_grpo.models.loading import check_model_source
 
 __all__ = [
     "CHECK_SEEDS",

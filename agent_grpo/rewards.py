@@ -18,8 +18,8 @@ import httpx
 import torch
 from pydantic import Field
 
-from agent_grpo.config import ConfigModel
-from agent_grpo.trajectory import TrajectoryRecord
+from agent_grpo.config.base import ConfigModel
+from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = [
     "JudgeRewardConfig",

@@ -24,7 +24,7 @@ from typing import Any
 
 from record import add_common_flags, bench_run, print_table, set_threads
 
-from agent_grpo.env import TextEnv, TurnOutcome
+from agent_grpo.envs.text_env import TextEnv, TurnOutcome
 
 MODES = (0, 1, 2)
 
@@ -63,9 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_mode(root: Path, model_dir: str, k: int, args: argparse.Namespace) -> dict[str, Any]:
     """Train `args.steps` steps with `max_staleness = k`; the figures of steps 1..N."""
-    from agent_grpo.config import load_config
-    from agent_grpo.train.config import TrainConfig
-    from agent_grpo.train.loop import train
+    from agent_grpo.config.base import load_config
+    from agent_grpo.config.jobs import TrainConfig
+    from agent_grpo.trainer.loop import train
 
     rule = "rewards=[{type: rule, name: even, function: 'knob_rules:even_tokens'}]"
     overrides = [
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     set_threads(args.threads)
     import ray
 
-    from agent_grpo.models import save_tiny_model
+    from agent_grpo.models.loading import save_tiny_model
 
     here, tests = Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent / "tests"
     sys.path[:0] = [str(here), str(tests)]

@@ -50,12 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One side: model, batch, 2 update steps under a peak-RSS window."""
-    from agent_grpo.models import build_tiny_model, load_model
-    from agent_grpo.train.batch import PackedBatch
-    from agent_grpo.train.config import AlgoConfig
-    from agent_grpo.train.lora import LoraSettings, wrap_lora
-    from agent_grpo.train.parallel import DistContext, wrap_policy
-    from agent_grpo.train.update import minibatch_update
+    from agent_grpo.config.jobs import AlgoConfig
+    from agent_grpo.models.loading import build_tiny_model, load_model
+    from agent_grpo.trainer.batch import PackedBatch
+    from agent_grpo.trainer.lora import LoraSettings, wrap_lora
+    from agent_grpo.trainer.parallel import DistContext, wrap_policy
+    from agent_grpo.trainer.update import minibatch_update
 
     set_threads(args.threads)
     model = build_tiny_model()[0] if args.model == "tiny" else load_model("smollm2-135m-instruct")

@@ -4,7 +4,7 @@
 
 One forward + backward of `policy_loss` over per-token logprobs of one sequence (batch 1, every
 token after the first trained, advantage 1), computed two ways:
-- `chunked`: `agent_grpo.logprobs.token_logprobs` (the head applied 1024 tokens at a time,
+- `chunked`: `agent_grpo.models.logprobs.token_logprobs` (the head applied 1024 tokens at a time,
   checkpointed; never a `[T, V]` fp32 tensor);
 - `full`: `reference_token_logprobs` (the usual `log_softmax(model(x).logits)`, `[T, V]` fp32).
 Each point runs in a fresh process; memory is the growth of resident memory over the section
@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def load(kind: str) -> PreTrainedModel:
     """The tiny test model (seeded) or the embedded SmolLM2-135M-Instruct, in train mode."""
-    from agent_grpo.models import build_tiny_model, load_model
+    from agent_grpo.models.loading import build_tiny_model, load_model
 
     model = build_tiny_model()[0] if kind == "tiny" else load_model("smollm2-135m-instruct")
     return model.train()
@@ -59,7 +59,7 @@ def load(kind: str) -> PreTrainedModel:
 def update_once(model: PreTrainedModel, path: str, length: int) -> float:
     """Forward + backward of the policy loss on one random sequence; returns the loss."""
     from agent_grpo.algo.grpo import policy_loss
-    from agent_grpo.logprobs import reference_token_logprobs, token_logprobs
+    from agent_grpo.models.logprobs import reference_token_logprobs, token_logprobs
 
     generator = torch.Generator().manual_seed(length)
     vocab = int(model.config.vocab_size)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent_grpo.models import agent_grpo_home, resolve_model_path
+from agent_grpo.models.loading import agent_grpo_home, resolve_model_path
 
 __all__ = ["WARM_ENVS", "policy_path", "warm_start_dir"]
 
@@ -33,9 +33,9 @@ def warm_start_dir(demos_per_env: int, seed: int) -> Path:
 
 def _build_warm(out: Path, demos_per_env: int, seed: int) -> dict[str, Any]:
     """Supervised pass on expert episodes of every env in WARM_ENVS; saves model + tokenizer."""
-    from agent_grpo.env import train_seeds
-    from agent_grpo.models import load_model, load_tokenizer
-    from agent_grpo.train.warm_start import expert_record, train_sft
+    from agent_grpo.envs.text_env import train_seeds
+    from agent_grpo.models.loading import load_model, load_tokenizer
+    from agent_grpo.trainer.warm_start import expert_record, train_sft
 
     started = time.perf_counter()
     tokenizer = load_tokenizer("smollm2-135m-instruct")

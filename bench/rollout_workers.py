@@ -26,11 +26,11 @@ import torch
 from transformers import PreTrainedModel
 from vllm_serve import vllm_server
 
-from agent_grpo.config import ConfigModel
-from agent_grpo.env import read_step_info, train_seeds
-from agent_grpo.models import load_model, load_tokenizer
-from agent_grpo.registry import make_env
-from agent_grpo.rollout.backend import Generation, GenerationBackend, SamplingConfig
+from agent_grpo.config.base import ConfigModel
+from agent_grpo.envs.registry import make_env
+from agent_grpo.envs.text_env import read_step_info, train_seeds
+from agent_grpo.models.loading import load_model, load_tokenizer
+from agent_grpo.rollout.backends.base import Generation, GenerationBackend, SamplingConfig
 from agent_grpo.rollout.collector import Task, collect_groups
 from agent_grpo.rollout.config import RolloutConfig
 
@@ -216,7 +216,7 @@ def _collect_all(backend: GenerationBackend, spec: RolloutSpec) -> dict[str, dic
 
 def worker_hf(spec: RolloutSpec) -> dict[str, Any]:
     """Our in-process batched backend with its KV prefix cache."""
-    from agent_grpo.rollout.hf_backend import HFBackend
+    from agent_grpo.rollout.backends.hf import HFBackend
 
     started = time.perf_counter()
     backend = HFBackend(load_model(spec.model_path), load_tokenizer(spec.model_path))
@@ -228,7 +228,7 @@ def worker_hf(spec: RolloutSpec) -> dict[str, Any]:
 
 def worker_vllm(spec: RolloutSpec) -> dict[str, Any]:
     """The in-process vLLM engine (CPU build here)."""
-    from agent_grpo.rollout.vllm_backend import VLLMBackend
+    from agent_grpo.rollout.backends.vllm import VLLMBackend
 
     backend = VLLMBackend(
         spec.model_path,
@@ -244,7 +244,7 @@ def worker_vllm(spec: RolloutSpec) -> dict[str, Any]:
 
 def worker_openai(spec: RolloutSpec) -> dict[str, Any]:
     """`OpenAIBackend` against a `vllm serve` started here (start-up reported, not timed)."""
-    from agent_grpo.rollout.openai_backend import OpenAIBackend
+    from agent_grpo.rollout.backends.openai import OpenAIBackend
 
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-vllm-serve-{os.getpid()}.log"
     started = time.perf_counter()

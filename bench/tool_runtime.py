@@ -40,7 +40,8 @@ CODE = "import json\nprint(json.dumps({'sum': sum(range(1000))}))\n"
 EXPECTED = '{"sum": 499500}'
 EXPRESSION = "((347 * 29) - 1181) / 7"
 OLD_SANDBOX_COMMIT = "3e5ab887990931cdb6efab6c71f245cef51e84fa"
-"""The last commit holding the sandbox issue #14 replaced (tools/sandbox.py, _sandbox_init.py)."""
+"""The last commit holding the sandbox that bubblewrap replaced (tools/sandbox.py and
+_sandbox_init.py then)."""
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -75,10 +76,10 @@ def old_sandbox(directory: Path) -> ModuleType | None:
 
 def methods(old: ModuleType | None) -> dict[str, Callable[[], bool]]:
     """Each method as a zero-argument call that returns whether its output was right."""
-    from agent_grpo.tool import run_tool_call
+    from agent_grpo.sandbox.runner import run_sandboxed
     from agent_grpo.tools.calculator import calculator
     from agent_grpo.tools.python import python
-    from agent_grpo.tools.sandbox import run_sandboxed
+    from agent_grpo.tools.tool import run_tool_call
 
     answer = calculator(expression=EXPRESSION)
 

@@ -62,9 +62,9 @@ ENV_ID = "agent_grpo/Calculator-v0"
 MODEL = "smollm2-135m-instruct"
 
 IN_BACKWARD = {"optimizer_in_backward": True, "max_grad_norm": None}
-"""No whole-model gradient buffer (agent_grpo/train/backward_steps.py); no clipping then."""
+"""No whole-model gradient buffer (agent_grpo/trainer/backward_steps.py); no clipping then."""
 LEAN = {**IN_BACKWARD, "recompute_mlp": True}
-"""Also recompute the MLPs in backward (agent_grpo/train/recompute.py)."""
+"""Also recompute the MLPs in backward (agent_grpo/trainer/recompute.py)."""
 SIDES: dict[str, dict[str, Any]] = {
     "hf": {"backend": {"type": "hf"}},
     "hf-in-backward": {"backend": {"type": "hf"}, "algo": IN_BACKWARD},
@@ -221,10 +221,10 @@ class Watch:
 
 
 def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
-    """One of our sides: `agent_grpo.train.loop.train` on the side's config."""
-    import agent_grpo.train.loop as loop
-    from agent_grpo.train.config import TrainConfig
-    from agent_grpo.train.workers import LocalRollouts
+    """One of our sides: `agent_grpo.trainer.loop.train` on the side's config."""
+    import agent_grpo.trainer.loop as loop
+    from agent_grpo.config.jobs import TrainConfig
+    from agent_grpo.rollout.sources import LocalRollouts
 
     watch = Watch()
     loop.build_backend = watch.engine(loop.build_backend)  # type: ignore[attr-defined]
@@ -263,8 +263,8 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
 
 def prompts(n: int, seed: int) -> list[list[dict[str, Any]]]:
     """The chat prompts of `n` Calculator-v0 training seeds (single turn)."""
-    from agent_grpo.env import train_seeds
-    from agent_grpo.registry import make_env
+    from agent_grpo.envs.registry import make_env
+    from agent_grpo.envs.text_env import train_seeds
 
     env = make_env(ENV_ID, max_turns=1)
     out = [env.reset(seed=s)[0] for s in train_seeds(n, random.Random(seed))]
@@ -278,7 +278,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from agent_grpo.models import load_model, load_tokenizer
+    from agent_grpo.models.loading import load_model, load_tokenizer
 
     tokenizer, model = load_tokenizer(MODEL), load_model(MODEL)
     rows = args.tasks * args.group_size
@@ -333,7 +333,7 @@ def model_config() -> Any:
     """The embedded model's transformers config, read once per process."""
     from transformers import AutoConfig
 
-    from agent_grpo.models import resolve_model_path
+    from agent_grpo.models.loading import resolve_model_path
 
     return AutoConfig.from_pretrained(resolve_model_path(MODEL))
 

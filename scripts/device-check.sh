@@ -19,7 +19,7 @@ if [ "${1:-}" = "--prepare" ]; then
         "gymnasium>=1.0" "pydantic>=2.9" "httpx>=0.27" "pyyaml>=6.0" "rich>=13.0" "gguf>=0.10"
     .venv/bin/python - "$DIR/model" <<'PY'
 import sys
-from agent_grpo.models import DEFAULT_MODEL, load_tokenizer, resolve_model_path
+from agent_grpo.models.loading import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from transformers import AutoConfig
 path = resolve_model_path(DEFAULT_MODEL)
 load_tokenizer(path).save_pretrained(sys.argv[1])

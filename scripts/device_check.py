@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
 from agent_grpo.algo import objective
-from agent_grpo.train.config import TrainConfig
-from agent_grpo.train.loop import train
+from agent_grpo.config.jobs import TrainConfig
+from agent_grpo.trainer.loop import train
 
 
 def random_model(source: Path, out: Path) -> Path:

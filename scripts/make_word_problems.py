@@ -1,4 +1,5 @@
-"""Make the shipped word problems, `envs/data/arithmetic_word_problems-{train,test}.jsonl`.
+"""Make the shipped word problems,
+`agent_grpo/envs/data/arithmetic_word_problems-{train,test}.jsonl`.
 
     python scripts/make_word_problems.py            # rewrites the shipped files
     python scripts/make_word_problems.py --out DIR  # writes them somewhere else

@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
-from agent_grpo.models import (
+from agent_grpo.models.loading import (
     DEFAULT_MODEL,
     ModelNotFoundError,
     build_tiny_model,

@@ -31,10 +31,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from agent_grpo.algo.grpo import policy_loss, truncated_is_weights
-from agent_grpo.models import load_model
-from agent_grpo.train.batch import PackedBatch
-from agent_grpo.train.config import AlgoConfig
-from agent_grpo.train.parallel import (
+from agent_grpo.config.jobs import AlgoConfig
+from agent_grpo.models.loading import load_model
+from agent_grpo.trainer.batch import PackedBatch
+from agent_grpo.trainer.parallel import (
     DistContext,
     end_rank,
     full_state_dict,
@@ -44,7 +44,7 @@ from agent_grpo.train.parallel import (
     wrap_policy,
     wrap_reference,
 )
-from agent_grpo.train.update import batch_logprobs, minibatch_update
+from agent_grpo.trainer.update import batch_logprobs, minibatch_update
 
 
 def free_port() -> int:

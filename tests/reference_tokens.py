@@ -7,14 +7,14 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from agent_grpo.tokens import (
+from agent_grpo.trajectory.record import Message, Provenance
+from agent_grpo.trajectory.tokens import (
     _drop_turn_end,
     encode_plain,
     encode_template,
     segment_conversation,
     turn_end_ids,
 )
-from agent_grpo.trajectory import Message, Provenance
 
 
 def render_reference(

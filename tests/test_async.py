@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_train_bugs import record
 
+from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult, Task
-from agent_grpo.train.config import TrainConfig
-from agent_grpo.train.workers import RayRollouts, staleness
+from agent_grpo.rollout.sources import RayRollouts, staleness
 
 
 @dataclass

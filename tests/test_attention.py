@@ -1,4 +1,4 @@
-"""`sdpa_gqa` (agent_grpo/attention.py): transformers' `sdpa` without repeating the KV heads
+"""`sdpa_gqa` (agent_grpo/models/attention.py): transformers' `sdpa` without repeating the KV heads
 when a mask is passed on CPU; the same logits and gradients as `sdpa`, through the grouped
 kernel."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from agent_grpo.attention import ATTENTION
-from agent_grpo.models import build_tiny_model
+from agent_grpo.models.attention import ATTENTION
+from agent_grpo.models.loading import build_tiny_model
 
 
 def forward_backward(model, ids, mask):  # type: ignore[no-untyped-def]
@@ -51,7 +51,7 @@ def test_masked_grouped_attention_equals_sdpa_and_keeps_heads_grouped(tokenizer,
 
 def test_saved_models_do_not_name_it(tokenizer, tmp_path):
     """Another engine (vLLM) loads what we save: the choice stays in this process."""
-    from agent_grpo.models import save_tiny_model
+    from agent_grpo.models.loading import save_tiny_model
 
     path = save_tiny_model(tmp_path, seed=0, tokenizer=tokenizer)
     assert ATTENTION not in (path / "config.json").read_text()

@@ -9,11 +9,11 @@ import copy
 import pytest
 import torch
 
-from agent_grpo.train.backward_steps import BackwardSteps
-from agent_grpo.train.batch import pack_records
-from agent_grpo.train.config import AlgoConfig, TrainConfig
-from agent_grpo.train.parallel import DistContext, wrap_policy
-from agent_grpo.train.update import minibatch_update
+from agent_grpo.config.jobs import AlgoConfig, TrainConfig
+from agent_grpo.trainer.backward_steps import BackwardSteps
+from agent_grpo.trainer.batch import pack_records
+from agent_grpo.trainer.parallel import DistContext, wrap_policy
+from agent_grpo.trainer.update import minibatch_update
 from tests.test_train_update import group_records
 
 
@@ -153,8 +153,8 @@ def test_refused_with_clipping_or_ranks() -> None:
 def test_bf16_reference_keeps_no_fp32_copy(tiny_model) -> None:
     """With `model.dtype: bfloat16` the frozen reference is held in bf16 (half the bytes) and
     scores like the fp32 weights under bf16 autocast, to bf16's resolution."""
-    from agent_grpo.train.parallel import wrap_reference
-    from agent_grpo.train.update import batch_logprobs
+    from agent_grpo.trainer.parallel import wrap_reference
+    from agent_grpo.trainer.update import batch_logprobs
 
     model, _ = tiny_model
     ctx = DistContext()

@@ -13,7 +13,7 @@ from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from agent_grpo.algo.grpo import group_advantages, policy_loss
-from agent_grpo.logprobs import token_logprobs
+from agent_grpo.models.logprobs import token_logprobs
 
 
 def test_logits_bandit_learns_the_rewarded_arm() -> None:

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent_grpo.train.batch import micro_batches, micro_batches_by_tokens, pack_records
-from agent_grpo.trajectory import Lengths, Message, Provenance, Termination, TrajectoryRecord
+from agent_grpo.trainer.batch import micro_batches, micro_batches_by_tokens, pack_records
+from agent_grpo.trajectory.record import Lengths, Message, Provenance, Termination, TrajectoryRecord
 
 P, M, T, OBS = Provenance.PROMPT, Provenance.MODEL, Provenance.TEMPLATE, Provenance.OBSERVATION
 

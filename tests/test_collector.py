@@ -10,14 +10,14 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from agent_grpo.env import ToolEnv, Verdict
 from agent_grpo.envs.answers import text_verdict
-from agent_grpo.invariants import check_invariants
-from agent_grpo.rollout.backend import Generation, SamplingConfig
+from agent_grpo.envs.text_env import ToolEnv, Verdict
+from agent_grpo.rollout.backends.base import Generation, SamplingConfig
 from agent_grpo.rollout.collector import Task, collect_groups
 from agent_grpo.rollout.config import RolloutConfig
-from agent_grpo.tool import tool
-from agent_grpo.trajectory import Provenance
+from agent_grpo.tools.tool import tool
+from agent_grpo.trajectory.invariants import check_invariants
+from agent_grpo.trajectory.record import Provenance
 
 
 class ScriptedBackend:
@@ -229,7 +229,7 @@ def test_a_failed_env_step_is_retried_once_on_a_fresh_env(tokenizer) -> None:
 
 
 def test_hf_backend_same_seeds_same_trajectories(tokenizer, tiny_model) -> None:
-    from agent_grpo.rollout.hf_backend import HFBackend
+    from agent_grpo.rollout.backends.hf import HFBackend
 
     model, _ = tiny_model
     tasks = [Task(env_id="agent_grpo/Calculator-v0", seed=s) for s in (1, 2)]
@@ -250,7 +250,7 @@ def test_hf_backend_same_seeds_same_trajectories(tokenizer, tiny_model) -> None:
 
 
 def test_calls_past_the_per_turn_cap_are_answered_not_run(tokenizer) -> None:
-    from agent_grpo.registry import make_env
+    from agent_grpo.envs.registry import make_env
 
     env = make_env("agent_grpo/Calculator-v0", max_tool_calls_per_turn=2)
     env.reset(seed=0)
@@ -267,7 +267,7 @@ def test_calls_past_the_per_turn_cap_are_answered_not_run(tokenizer) -> None:
 
 @pytest.mark.parametrize("name", ["Calculator-v0", "PythonSandbox-v0", "Search-v0", "WebApi-v0"])
 def test_hf_backend_trajectories_pass_the_invariants_on_every_env(tokenizer, tiny_model, name):
-    from agent_grpo.rollout.hf_backend import HFBackend
+    from agent_grpo.rollout.backends.hf import HFBackend
 
     model, _ = tiny_model
     sampling = SamplingConfig(temperature=1.0, max_tokens=16, stop=["</tool_call>"])

@@ -13,8 +13,8 @@ import pytest
 import yaml
 from pydantic import BaseModel, Field
 
-from agent_grpo.config import ConfigModel, apply_overrides, validate_config
-from agent_grpo.config_schema import entry_points, key_docs, schema_markdown, type_text
+from agent_grpo.config.base import ConfigModel, apply_overrides, validate_config
+from agent_grpo.config.schema import entry_points, key_docs, schema_markdown, type_text
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "config.md"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_grpo.config import ConfigError, load_config
-from agent_grpo.train.config import EvalRunConfig, TrainConfig, VLLMBackendConfig
+from agent_grpo.config.base import ConfigError, load_config
+from agent_grpo.config.jobs import EvalRunConfig, TrainConfig, VLLMBackendConfig
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 

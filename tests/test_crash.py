@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from test_cli_e2e import deterministic
 
-from agent_grpo.store import RunDir
+from agent_grpo.run_dir.writer import RunWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 EVEN = "rewards=[{type: rule, name: even, function: 'knob_rules:even_tokens'}]"
@@ -50,7 +50,7 @@ def train(root: Path, model_dir: Path, name: str, *extra: str, crash: str | None
 def snapshot(run: Path) -> dict[str, object]:
     """Everything a run recorded, without wall-clock figures."""
     rows = [deterministic(json.loads(x)) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    store = RunDir.open(run)
+    store = RunWriter.open(run)
     records = {
         step: [
             (r.uid, r.token_ids, r.reward, r.old_logprobs) for r in store.read_trajectories(step)
@@ -117,9 +117,9 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(
 ) -> None:
     import errno
 
-    from agent_grpo.store import RunDirWriteError
-    from agent_grpo.train import checkpoint
-    from agent_grpo.train.checkpoint import TrainerState, save_checkpoint
+    from agent_grpo.run_dir.writer import RunDirWriteError
+    from agent_grpo.trainer import checkpoint
+    from agent_grpo.trainer.checkpoint import TrainerState, save_checkpoint
 
     class Model:
         """Writes its 'weights', or fails like a full disk."""
@@ -143,5 +143,5 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(
         save_checkpoint(folder / "step_000002", Model(True), tokenizer, optimizer,
                         TrainerState(step=2))  # fmt: skip
     assert sorted(p.name for p in folder.iterdir()) == ["step_000001"]  # no half-written dir
-    assert RunDir(tmp_path).latest_checkpoint() == folder / "step_000001"
+    assert RunWriter(tmp_path).latest_checkpoint() == folder / "step_000001"
     assert checkpoint.read_state(folder / "step_000001").step == 1

@@ -16,10 +16,10 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 from pydantic import BaseModel
 
-from agent_grpo.env import ToolEnv, Verdict, heldout_seeds, read_step_info, run_expert
 from agent_grpo.envs.answers import text_verdict
-from agent_grpo.registry import make_env
-from agent_grpo.tool import tool
+from agent_grpo.envs.registry import make_env
+from agent_grpo.envs.text_env import ToolEnv, Verdict, heldout_seeds, read_step_info, run_expert
+from agent_grpo.tools.tool import tool
 
 # Invented countries, so a model cannot know the answers: it has to look them up.
 CAPITALS = {

@@ -24,15 +24,21 @@ from typing import Any
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from agent_grpo.config import load_config
-from agent_grpo.env import HELDOUT_SEEDS, heldout_seeds, read_step_info, run_expert, train_seeds
+from agent_grpo.config.base import load_config
+from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.envs import math_verdicts
 from agent_grpo.envs.answers import number_verdict, parse_number
 from agent_grpo.envs.dataset import DatasetEnv, DatasetEnvConfig
 from agent_grpo.envs.dataset_rows import PACKAGE_DIR, SHIPPED_FILES
 from agent_grpo.envs.math_verdicts import NO_VERDICT, math_equivalent, math_verdict, regex_verdict
-from agent_grpo.registry import make_env
-from agent_grpo.train.config import TrainConfig
+from agent_grpo.envs.registry import make_env
+from agent_grpo.envs.text_env import (
+    HELDOUT_SEEDS,
+    heldout_seeds,
+    read_step_info,
+    run_expert,
+    train_seeds,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [{"q": f"What is {n} + {n}?", "a": str(2 * n)} for n in range(1, 9)]
@@ -372,7 +378,7 @@ def test_docs_table_lists_every_kwarg() -> None:
 
 @pytest.mark.slow
 def test_two_grpo_steps_on_the_shipped_config(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from agent_grpo.train.loop import train
+    from agent_grpo.trainer.loop import train
 
     overrides = [f"model.name_or_path={tiny_model_dir}", f"run.root={tmp_path}", "run.name=d",
                  "steps=2", "rollout.tasks_per_step=2", "rollout.group_size=2",

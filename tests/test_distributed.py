@@ -24,12 +24,12 @@ from dist_worker import run_torchrun
 from agent_grpo import cli
 from agent_grpo.algo.grpo import policy_loss, truncated_is_weights
 from agent_grpo.algo.objective import loss_denominator
-from agent_grpo.logprobs import token_logprobs
-from agent_grpo.models import load_model
-from agent_grpo.train import parallel
-from agent_grpo.train.batch import PackedBatch
-from agent_grpo.train.config import AlgoConfig
-from agent_grpo.train.parallel import (
+from agent_grpo.config.jobs import AlgoConfig
+from agent_grpo.models.loading import load_model
+from agent_grpo.models.logprobs import token_logprobs
+from agent_grpo.trainer import parallel
+from agent_grpo.trainer.batch import PackedBatch
+from agent_grpo.trainer.parallel import (
     DistContext,
     global_max,
     global_sum,
@@ -37,7 +37,7 @@ from agent_grpo.train.parallel import (
     unwrap_policy,
     wrap_policy,
 )
-from agent_grpo.train.update import batch_logprobs, minibatch_update
+from agent_grpo.trainer.update import batch_logprobs, minibatch_update
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 LENGTHS = [23, 9, 31, 14, 27, 6]
@@ -191,7 +191,7 @@ def test_collectives_are_identity_in_one_process():
 
 END_RANK_SCRIPT = """
 import atexit, pathlib, sys, threading, time
-from agent_grpo.train.parallel import end_rank
+from agent_grpo.trainer.parallel import end_rank
 
 out = pathlib.Path(sys.argv[1])
 

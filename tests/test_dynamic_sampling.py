@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from agent_grpo.config.jobs import TrainConfig
+from agent_grpo.rollout import step as train
 from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult, Task
-from agent_grpo.train import rollout as train
-from agent_grpo.train.config import TrainConfig
-from agent_grpo.train.metrics import dead_group_mask
-from agent_grpo.train.workers import LocalRollouts
-from agent_grpo.trajectory import Lengths, Message, Termination, TrajectoryRecord
+from agent_grpo.rollout.sources import LocalRollouts
+from agent_grpo.trainer.metrics import dead_group_mask
+from agent_grpo.trajectory.record import Lengths, Message, Termination, TrajectoryRecord
 
 
 def record(group: str, index: int, reward: float) -> TrajectoryRecord:
@@ -86,7 +86,7 @@ def test_the_local_engine_frees_its_caches_once_the_whole_collection_is_done(mon
 def test_an_evaluation_frees_the_engine_caches_before_training_goes_on(monkeypatch) -> None:
     from types import SimpleNamespace
 
-    from agent_grpo.train import evaluation
+    from agent_grpo.evaluation import in_training as evaluation
 
     events: list[str] = []
     summary = SimpleNamespace(success_rate=0.5, tool_call_rate=1.0)

@@ -7,15 +7,15 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from agent_grpo.rollout.backend import SamplingConfig
-from agent_grpo.rollout.config import RolloutConfig, VLLMBackendConfig
-from agent_grpo.rollout.factory import (
+from agent_grpo.rollout.backends.base import SamplingConfig
+from agent_grpo.rollout.backends.factory import (
     EngineLimits,
     build_backend,
     kv_cache_bytes,
     rollout_limits,
     vllm_engine_args,
 )
+from agent_grpo.rollout.config import RolloutConfig, VLLMBackendConfig
 from tests.tiny_vllm import save_tiny_llama
 
 
@@ -76,7 +76,7 @@ def test_engine_starts_sized_and_samples(tiny_dir, tokenizer, monkeypatch) -> No
 
 
 def test_an_engine_shorter_than_the_episodes_is_refused_at_load() -> None:
-    from agent_grpo.train.config import EvalRunConfig, TrainConfig
+    from agent_grpo.config.jobs import EvalRunConfig, TrainConfig
 
     short = {"type": "vllm", "max_model_len": 512}
     with pytest.raises(ValueError, match=r"rollout\.backend\.max_model_len=512 is shorter"):

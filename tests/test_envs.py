@@ -22,7 +22,11 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import agent_grpo.envs  # noqa: F401  (registers the built-ins)
-from agent_grpo.env import (
+from agent_grpo.envs.answers import exact_verdict, extract_answer, number_verdict, text_verdict
+from agent_grpo.envs.calculator import CalculatorEnv
+from agent_grpo.envs.search import HELDOUT_EVERY, SearchEnv
+from agent_grpo.envs.search_corpus import CORPUS_PATH, build_corpus, dump_corpus
+from agent_grpo.envs.text_env import (
     HELDOUT_SEEDS,
     STEP_INFO_KEY,
     MessagesSpace,
@@ -35,14 +39,10 @@ from agent_grpo.env import (
     run_expert,
     split_of,
 )
-from agent_grpo.envs.answers import exact_verdict, extract_answer, number_verdict, text_verdict
-from agent_grpo.envs.calculator import CalculatorEnv
-from agent_grpo.envs.search import HELDOUT_EVERY, SearchEnv
-from agent_grpo.envs.search_corpus import CORPUS_PATH, build_corpus, dump_corpus
 from agent_grpo.envs.webapi import WebApiEnv
-from agent_grpo.tool import tool
 from agent_grpo.tools.calculator import CalculatorError, evaluate
 from agent_grpo.tools.search import BM25Index, Document
+from agent_grpo.tools.tool import tool
 
 BUILTINS = ["Calculator-v0", "PythonSandbox-v0", "Search-v0", "WebApi-v0"]
 

@@ -10,9 +10,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from agent_grpo.models import DEFAULT_MODEL, build_tiny_model, load_model
-from agent_grpo.rollout.backend import SamplingConfig
-from agent_grpo.rollout.hf_backend import (
+from agent_grpo.models.loading import DEFAULT_MODEL, build_tiny_model, load_model
+from agent_grpo.rollout.backends.base import SamplingConfig
+from agent_grpo.rollout.backends.hf import (
     HFBackend,
     PrefixCache,
     attention_bias,
@@ -24,7 +24,7 @@ from agent_grpo.rollout.hf_backend import (
     stop_hit,
     stop_window,
 )
-from agent_grpo.rollout.kv_cache import ReservedLayer, reserved_cache
+from agent_grpo.rollout.backends.kv_cache import ReservedLayer, reserved_cache
 
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=12)
 QUESTIONS = ["Hi", "What is 17 times 23? Think step by step.", "Name three rivers in Europe."]
@@ -402,7 +402,7 @@ def test_decode_steps_write_in_place(model_and_prompts):
 
 def test_generation_equals_a_plain_dynamic_cache(model_and_prompts, monkeypatch):
     """The same tokens and bitwise the same logprobs as concatenating the cache every step."""
-    import agent_grpo.rollout.hf_backend as hf_backend
+    import agent_grpo.rollout.backends.hf as hf_backend
 
     model, tokenizer, prompts = model_and_prompts
     sampling = SamplingConfig(temperature=1.0, max_tokens=10)

@@ -21,22 +21,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, field_validator
 
-from agent_grpo.env import ToolEnv, Verdict, read_step_info
 from agent_grpo.envs.calculator import CalculatorEnv
-from agent_grpo.invariants import check_invariants
-from agent_grpo.rollout.backend import Generation, SamplingConfig
+from agent_grpo.envs.text_env import ToolEnv, Verdict, read_step_info
+from agent_grpo.rollout.backends.base import Generation, SamplingConfig
 from agent_grpo.rollout.collector import PromptTooLongError, Task, collect_groups
 from agent_grpo.rollout.config import RolloutConfig
-from agent_grpo.store import RunDir
-from agent_grpo.tokens import TokenBuilder, encode_plain
-from agent_grpo.tool import arun_tool_call, run_tool_call, tool
-from agent_grpo.toolcalls import (
+from agent_grpo.run_dir.writer import RunWriter
+from agent_grpo.tools.call_format import (
     MAX_JSON_DEPTH,
     ParsedToolCall,
     ToolCallParseError,
     parse_tool_calls,
 )
-from agent_grpo.trajectory import (
+from agent_grpo.tools.tool import arun_tool_call, run_tool_call, tool
+from agent_grpo.trajectory.invariants import check_invariants
+from agent_grpo.trajectory.record import (
     Lengths,
     Message,
     Provenance,
@@ -46,6 +45,7 @@ from agent_grpo.trajectory import (
     TurnRecord,
     valid_text,
 )
+from agent_grpo.trajectory.tokens import TokenBuilder, encode_plain
 
 
 def call(body: str) -> str:
@@ -169,7 +169,7 @@ def test_text_assigned_after_construction_is_repaired_when_written(tmp_path: Pat
     bad = record_with_text("fine", "k").model_copy(update={"index_in_group": 1})
     bad.messages[0].content = "a\ud800"  # no validation on assignment
     bad.verifier["late"] = "\udcff"
-    run = RunDir.create(tmp_path, "run")
+    run = RunWriter.create(tmp_path, "run")
     run.write_trajectories(3, [good, bad])
     assert [e.index_in_group for e in run.index()] == [0, 1]
     [first, second] = run.read_trajectories(3)
@@ -184,7 +184,7 @@ def test_an_unserializable_record_is_skipped_and_the_step_stays_whole(
         record_with_text("fine", "k").model_copy(update={"index_in_group": i}) for i in (0, 1, 2)
     ]
     records[1].verifier["deep"] = json.loads(nested(400))  # deeper than pydantic serializes
-    run = RunDir.create(tmp_path, "run")
+    run = RunWriter.create(tmp_path, "run")
     with caplog.at_level(logging.ERROR):
         run.write_trajectories(0, records)
     assert "g/1 cannot be serialized" in caplog.text
@@ -250,7 +250,7 @@ def test_surrogates_in_tool_arguments_and_results_reach_a_stored_record(
         observed = ids_with(record.token_ids, record.provenance, {Provenance.OBSERVATION})
         expected = [encode_plain(tokenizer, text) for text in ("a\ufffdb", "ok \ufffd\ufffd")]
         assert observed == expected[0] + expected[1]
-    run = RunDir.create(tmp_path, "run")
+    run = RunWriter.create(tmp_path, "run")
     run.write_trajectories(0, result.records)
     assert run.read_trajectories(0) == result.records
 

@@ -18,7 +18,7 @@ from agent_grpo.inspect.curves import (
     reward_component_keys,
 )
 from agent_grpo.inspect.flags import row_flags
-from agent_grpo.store import RunDir
+from agent_grpo.run_dir.writer import RunWriter
 
 NAN = float("nan")
 
@@ -86,7 +86,7 @@ def test_inspect_table_has_component_means_and_flags(
 ) -> None:
     pytest.importorskip("matplotlib")
     monkeypatch.setenv("COLUMNS", "80")
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
     for row in ROWS:
         run.write_metrics(int(row["step"]), row)
     assert _cli(["inspect", str(run.path)]) == 0
@@ -104,7 +104,7 @@ def test_a_healthy_run_has_no_flags_column(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("matplotlib")
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
     run.write_metrics(0, {"reward_mean": 0.5, "dead_group_fraction": 0.0, "error_fraction": 0.0})
     assert _cli(["inspect", str(run.path), "--out", str(tmp_path / "c.png")]) == 0
     assert _table(capsys.readouterr().out)[0] == ["step", "reward", "dead groups"]

@@ -19,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from agent_grpo.config import load_config
-from agent_grpo.train.config import TrainConfig
-from agent_grpo.train.loop import train
-from agent_grpo.train.metrics import StepMetrics
+from agent_grpo.config.base import load_config
+from agent_grpo.config.jobs import TrainConfig
+from agent_grpo.trainer.loop import train
+from agent_grpo.trainer.metrics import StepMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 EVEN = "rewards=[{type: rule, name: even, function: 'knob_rules:even_tokens'}]"

@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import agent_grpo.logprobs as logprobs_module
-from agent_grpo.logprobs import reference_token_logprobs, token_logprobs
+import agent_grpo.models.logprobs as logprobs_module
+from agent_grpo.models.logprobs import reference_token_logprobs, token_logprobs
 
 VOCAB = 49152
 

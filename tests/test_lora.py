@@ -13,16 +13,16 @@ import torch
 from test_cli_e2e import agent_grpo, deterministic
 from test_train_bugs import record
 
-from agent_grpo.config import ConfigError, load_config
-from agent_grpo.logprobs import token_logprobs
-from agent_grpo.models import load_model
-from agent_grpo.train.batch import pack_records
-from agent_grpo.train.config import AlgoConfig, TrainConfig
-from agent_grpo.train.loop import train
-from agent_grpo.train.lora import LoraSettings, wrap_lora
-from agent_grpo.train.parallel import DistContext, LogprobModel, wrap_policy
-from agent_grpo.train.update import minibatch_update
-from agent_grpo.trajectory import Provenance
+from agent_grpo.config.base import ConfigError, load_config
+from agent_grpo.config.jobs import AlgoConfig, TrainConfig
+from agent_grpo.models.loading import load_model
+from agent_grpo.models.logprobs import token_logprobs
+from agent_grpo.trainer.batch import pack_records
+from agent_grpo.trainer.loop import train
+from agent_grpo.trainer.lora import LoraSettings, wrap_lora
+from agent_grpo.trainer.parallel import DistContext, LogprobModel, wrap_policy
+from agent_grpo.trainer.update import minibatch_update
+from agent_grpo.trajectory.record import Provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs/calculator-tiny.yaml"
@@ -113,8 +113,8 @@ def test_a_lora_run_checkpoints_resumes_and_exports(tmp_path: Path, tiny_model_d
 
 
 def test_an_engine_with_its_own_weights_gets_the_adapter_merged(tiny_model) -> None:
-    from agent_grpo.rollout.hf_backend import HFBackend
-    from agent_grpo.train.trainer import engine_copy
+    from agent_grpo.rollout.backends.hf import HFBackend
+    from agent_grpo.trainer.trainer import engine_copy
 
     base, tokenizer = tiny_model
     lora = wrap_lora(base, LoraSettings(r=4, alpha=8))

@@ -1,4 +1,4 @@
-"""Tools from MCP servers (`agent_grpo.mcp_tools`), Notes-v0, and the docs example.
+"""Tools from MCP servers (`agent_grpo.tools.mcp_client`), Notes-v0, and the docs example.
 
 Everything past the pure functions runs the real SDK end to end: servers started over stdio (one
 over streamable HTTP), including `tests/mcp_servers.py`, which crashes or hangs on request. Each
@@ -27,14 +27,20 @@ from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
 import agent_grpo.envs  # noqa: F401  (registers the built-ins)
-from agent_grpo.env import heldout_seeds, read_step_info, run_expert
+from agent_grpo.envs.mcp_env import with_workdir
 from agent_grpo.envs.notes import NotesEnv, NotesTask
-from agent_grpo.mcp_env import with_workdir
-from agent_grpo.mcp_tools import McpClient, McpServer, McpServerError, McpToolError, result_text
-from agent_grpo.schema_args import schema_args_model, without_titles
-from agent_grpo.tool import Tool, run_tool_call
-from agent_grpo.toolcalls import parse_tool_calls
+from agent_grpo.envs.text_env import heldout_seeds, read_step_info, run_expert
+from agent_grpo.tools.call_format import parse_tool_calls
+from agent_grpo.tools.mcp_client import (
+    McpClient,
+    McpServer,
+    McpServerError,
+    McpToolError,
+    result_text,
+)
 from agent_grpo.tools.notes_server import load_notes, read_notes
+from agent_grpo.tools.schema_args import schema_args_model, without_titles
+from agent_grpo.tools.tool import Tool, run_tool_call
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAKY = [sys.executable, str(Path(__file__).with_name("mcp_servers.py"))]
@@ -454,10 +460,10 @@ def test_two_training_steps_on_notes(
 ) -> None:
     """Warm start on expert demos (real MCP calls), 2 GRPO steps (an env, and a server, per
     episode), evaluations; the tiny model never calls a tool, so a rule reward gives variance."""
-    from agent_grpo.config import load_config
-    from agent_grpo.train.config import TrainConfig
-    from agent_grpo.train.loop import train
-    from agent_grpo.train.warm_start import expert_record
+    from agent_grpo.config.base import load_config
+    from agent_grpo.config.jobs import TrainConfig
+    from agent_grpo.trainer.loop import train
+    from agent_grpo.trainer.warm_start import expert_record
 
     before = children()
     demo = expert_record(tokenizer, "agent_grpo/Notes-v0", 7)  # what the warm start trains on

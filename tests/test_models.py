@@ -20,8 +20,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
-from agent_grpo import cli, models
-from agent_grpo.models import (
+from agent_grpo import cli
+from agent_grpo.models import loading as models
+from agent_grpo.models.loading import (
     ChecksumError,
     CorruptModelError,
     EmbeddedModel,

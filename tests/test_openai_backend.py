@@ -24,8 +24,8 @@ import torch
 from tiny_vllm import save_tiny_llama
 from transformers import LlamaForCausalLM
 
-from agent_grpo.rollout.backend import SamplingConfig
-from agent_grpo.rollout.openai_backend import (
+from agent_grpo.rollout.backends.base import SamplingConfig
+from agent_grpo.rollout.backends.openai import (
     OpenAIBackend,
     OpenAIBackendError,
     RemoteWeightsError,
@@ -351,9 +351,9 @@ def test_served_greedy_tokens_and_logprobs_equal_hf(served) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["Calculator-v0", "PythonSandbox-v0", "Search-v0", "WebApi-v0"])
 def test_served_trajectories_pass_the_invariants(served, tokenizer, name) -> None:
-    from agent_grpo.invariants import check_invariants
     from agent_grpo.rollout.collector import Task, collect_groups
     from agent_grpo.rollout.config import RolloutConfig
+    from agent_grpo.trajectory.invariants import check_invariants
 
     _, url = served
     sampling = SamplingConfig(temperature=1.0, max_tokens=24, stop=["</tool_call>"])

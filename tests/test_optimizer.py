@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from agent_grpo.train.optimizer import adamw, fused_supported, load_optimizer_state
+from agent_grpo.trainer.optimizer import adamw, fused_supported, load_optimizer_state
 
 
 def test_fused_on_cpu_and_equal_to_the_per_tensor_loop() -> None:

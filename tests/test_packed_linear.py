@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agent_grpo.rollout.backend import SamplingConfig
-from agent_grpo.rollout.hf_backend import HFBackend
-from agent_grpo.rollout.packed_linear import PackedLinears, packing_supported
+from agent_grpo.rollout.backends.base import SamplingConfig
+from agent_grpo.rollout.backends.hf import HFBackend
+from agent_grpo.rollout.backends.packed_linear import PackedLinears, packing_supported
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"
@@ -141,7 +141,7 @@ def test_an_optimizer_step_then_update_weights_samples_the_new_weights(tiny_mode
     which the trainer calls after every step, is what refreshes the copies."""
     from test_hf_backend import chat_ids, lively
 
-    from agent_grpo.train.optimizer import adamw
+    from agent_grpo.trainer.optimizer import adamw
 
     model, tokenizer = lively(tiny_model[0]), tiny_model[1]
     prompts = [chat_ids(tokenizer, q) for q in ("Hi", "What is 17 times 23?")]

@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent_grpo.config import ConfigError, load_config, validate_config
+from agent_grpo.config.base import ConfigError, load_config, validate_config
+from agent_grpo.config.jobs import EnvConfig, TrainConfig
 from agent_grpo.envs import BUILTIN_ENVS
 from agent_grpo.envs.calculator import ArithmeticTask, CalculatorEnv
-from agent_grpo.models import ModelNotFoundError, check_model_source, resolve_model_path
+from agent_grpo.models.loading import ModelNotFoundError, check_model_source, resolve_model_path
 from agent_grpo.preflight import (
     PreflightError,
     check_env,
@@ -27,7 +28,6 @@ from agent_grpo.preflight import (
     resolve_env,
     same_observation,
 )
-from agent_grpo.train.config import EnvConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "calculator-tiny.yaml"
@@ -166,7 +166,7 @@ def test_eval_checks_before_loading_too(tmp_path: Path, tiny_model_dir: Path) ->
 
 def test_train_runs_the_preflight_before_making_a_run_dir(tmp_path: Path) -> None:
     config = load_config(TrainConfig, TINY, [f"run.root={tmp_path / 'runs'}", "env.id=Calc-v0"])
-    from agent_grpo.train import train
+    from agent_grpo.trainer.loop import train
 
     with pytest.raises(PreflightError, match=r"env\.id 'Calc-v0'"):
         train(config)

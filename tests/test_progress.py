@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from agent_grpo.train.progress import RunProgress, format_duration
+from agent_grpo.trainer.progress import RunProgress, format_duration
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,7 +22,7 @@ def test_durations_read_like_a_clock() -> None:
 
 def test_without_a_terminal_each_phase_is_one_plain_line(caplog, monkeypatch) -> None:
     clock = iter([0.0, 0.0, 10.0, 20.0])
-    monkeypatch.setattr("agent_grpo.train.progress.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("agent_grpo.trainer.progress.time.monotonic", lambda: next(clock))
     caplog.set_level(logging.INFO, logger="agent_grpo")
     logging.getLogger("agent_grpo").propagate = True
     console = Console(file=io.StringIO(), force_terminal=False)

@@ -13,10 +13,10 @@ from test_store import make_record
 
 import agent_grpo
 from agent_grpo.api import as_config
-from agent_grpo.config import ConfigError
-from agent_grpo.runs import Run, load_run
-from agent_grpo.store import RunDir
-from agent_grpo.train.config import TrainConfig
+from agent_grpo.config.base import ConfigError
+from agent_grpo.config.jobs import TrainConfig
+from agent_grpo.run_dir.reader import Run, load_run
+from agent_grpo.run_dir.writer import RunWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "python-api.md"
@@ -54,17 +54,33 @@ def test_the_docs_example_runs(
 
 def test_import_agent_grpo_is_light_and_api_names_resolve() -> None:
     script = (
-        "import sys, agent_grpo\n"
+        "import inspect, sys, agent_grpo\n"
         "assert 'torch' not in sys.modules, 'import agent_grpo pulled in torch'\n"
         "assert callable(agent_grpo.load_run) and 'torch' not in sys.modules\n"
-        "import agent_grpo.train.config, agent_grpo.evaluate\n"  # submodules bound first
-        "assert callable(agent_grpo.train) and callable(agent_grpo.evaluate)\n"
-        "assert agent_grpo.train.config.TrainConfig and agent_grpo.evaluate.evaluate\n"
-        "from agent_grpo.train import train\n"
-        "assert train.__module__ == 'agent_grpo.train.loop'\n"
+        "import agent_grpo.config.jobs, agent_grpo.evaluation.heldout, agent_grpo.trainer.loop\n"
+        "assert agent_grpo.train.__module__ == agent_grpo.evaluate.__module__ == 'agent_grpo.api'\n"
+        "assert 'overrides' in inspect.signature(agent_grpo.train).parameters\n"
+        "from agent_grpo import evaluate, train\n"
+        "assert train is agent_grpo.train and evaluate is agent_grpo.evaluate\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("agent_grpo.env", "agent_grpo.envs.text_env"),
+        ("agent_grpo.train.loop", "agent_grpo.trainer"),
+        ("agent_grpo.train.config", "agent_grpo.trainer"),
+        ("agent_grpo.tools.sandbox", "agent_grpo.sandbox.runner"),
+        ("agent_grpo.rollout.hf_backend", "agent_grpo.rollout.backends.hf"),
+    ],
+)
+def test_a_moved_module_names_its_new_place(old: str, new: str) -> None:
+    done = subprocess.run([sys.executable, "-c", f"import {old}"], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert f"moved: import {new}" in done.stderr.splitlines()[-1]
 
 
 def test_train_is_the_api_function(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -72,9 +88,9 @@ def test_train_is_the_api_function(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 
     def fake_loop(config: TrainConfig, *, resume: bool = False) -> Path:
         seen.append(config)
-        return RunDir.create(tmp_path, "fake").path
+        return RunWriter.create(tmp_path, "fake").path
 
-    monkeypatch.setattr("agent_grpo.train.loop.train", fake_loop)
+    monkeypatch.setattr("agent_grpo.trainer.loop.train", fake_loop)
     run = agent_grpo.train({"steps": 3}, overrides=["seed=7"])
     assert isinstance(run, Run) and run.path == tmp_path / "fake"
     assert (seen[0].steps, seen[0].seed) == (3, 7)
@@ -94,7 +110,7 @@ def test_as_config_takes_objects_mappings_and_paths(tmp_path: Path) -> None:
 
 
 def test_run_reads_series_evaluations_and_trajectories(tmp_path: Path) -> None:
-    store = RunDir.create(tmp_path, "r", config_text="steps: 2\n")
+    store = RunWriter.create(tmp_path, "r", config_text="steps: 2\n")
     store.write_metrics(0, {"reward_mean": 0.25, "kl_ref": None})
     store.write_trajectories(0, [make_record(step=0, reward=0.0), make_record(step=0, index=1)])
     store.write_metrics(1, {"reward_mean": 0.75})

@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-from agent_grpo.env import TextEnv, TurnOutcome
-from agent_grpo.models import build_tiny_model, load_model
-from agent_grpo.rollout.backend import SamplingConfig
+from agent_grpo.envs.text_env import TextEnv, TurnOutcome
+from agent_grpo.models.loading import build_tiny_model, load_model
+from agent_grpo.rollout.backends.base import SamplingConfig
+from agent_grpo.rollout.backends.hf import HFBackend
 from agent_grpo.rollout.collector import RolloutMetrics, Task, collect_groups
 from agent_grpo.rollout.config import RolloutConfig
-from agent_grpo.rollout.hf_backend import HFBackend
 from agent_grpo.rollout.ray_pool import merge_metrics, split_tasks
-from agent_grpo.trajectory import TrajectoryRecord
+from agent_grpo.trajectory.record import TrajectoryRecord
 
 
 class ChatterEnv(TextEnv[int]):
@@ -157,9 +157,9 @@ def test_a_dead_worker_s_groups_go_to_another(ray_local: Any, tiny_model_dir: Pa
 
 def train_tiny(root: Path, model_dir: Path, name: str, *settings: str) -> Path:
     """2 GRPO steps of calculator-tiny in this process (Ray, when asked, joins `ray_local`)."""
-    from agent_grpo.config import load_config
-    from agent_grpo.train.config import TrainConfig
-    from agent_grpo.train.loop import train
+    from agent_grpo.config.base import load_config
+    from agent_grpo.config.jobs import TrainConfig
+    from agent_grpo.trainer.loop import train
 
     rule = "rewards=[{type: rule, name: even, function: 'knob_rules:even_tokens'}]"
     overrides = [f"model.name_or_path={model_dir}", f"run.root={root}", f"run.name={name}",
@@ -177,18 +177,18 @@ def test_synchronous_ray_training_is_the_local_run(
     from safetensors.torch import load_file
     from test_cli_e2e import deterministic
 
-    from agent_grpo.store import RunDir
+    from agent_grpo.run_dir.writer import RunWriter
 
     local = train_tiny(tmp_path, tiny_model_dir, "local")
     remote = train_tiny(
         tmp_path, tiny_model_dir, "ray", "rollout.workers={type: ray, num_workers: 2}"
     )
     for run in (local, remote):
-        assert RunDir.open(run).steps() == [0, 1]
+        assert RunWriter.open(run).steps() == [0, 1]
     for step in (0, 1):
         a, b = (
-            RunDir.open(local).read_trajectories(step),
-            RunDir.open(remote).read_trajectories(step),
+            RunWriter.open(local).read_trajectories(step),
+            RunWriter.open(remote).read_trajectories(step),
         )
         assert [(r.uid, r.token_ids, r.reward) for r in a] == [
             (r.uid, r.token_ids, r.reward) for r in b
@@ -210,7 +210,7 @@ def test_asynchronous_training_stays_within_its_staleness(
 ) -> None:
     import json
 
-    from agent_grpo.store import RunDir
+    from agent_grpo.run_dir.writer import RunWriter
 
     run = train_tiny(tmp_path, tiny_model_dir, "async", "steps=3", "algo.max_staleness=1",
                      "rollout.workers={type: ray, num_workers: 2}")  # fmt: skip
@@ -220,4 +220,4 @@ def test_asynchronous_training_stays_within_its_staleness(
     for row in steps[1:]:  # later steps were sampled one version behind the trainer
         assert row.get("staleness/1") == 4 and "staleness/2" not in row
     for step in (1, 2):
-        assert {r.policy_version for r in RunDir.open(run).read_trajectories(step)} == {step - 1}
+        assert {r.policy_version for r in RunWriter.open(run).read_trajectories(step)} == {step - 1}

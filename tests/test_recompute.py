@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 
-from agent_grpo.logprobs import micro_batch_logprobs
-from agent_grpo.train.config import TrainConfig
-from agent_grpo.train.recompute import recompute_mlps
+from agent_grpo.config.jobs import TrainConfig
+from agent_grpo.models.logprobs import micro_batch_logprobs
+from agent_grpo.trainer.recompute import recompute_mlps
 
 
 def _loss_and_saved(model: torch.nn.Module) -> tuple[torch.Tensor, int]:

@@ -10,11 +10,10 @@ from importlib.metadata import EntryPoint
 import gymnasium as gym
 import pytest
 
-from agent_grpo import registry
-from agent_grpo.env import TextEnv
-from agent_grpo.envs import BUILTIN_ENVS, register_builtin_envs
+from agent_grpo.envs import BUILTIN_ENVS, register_builtin_envs, registry
 from agent_grpo.envs.calculator import CalculatorEnv
-from agent_grpo.registry import ENTRY_POINT_GROUP, list_envs, make_env, register_envs
+from agent_grpo.envs.registry import ENTRY_POINT_GROUP, list_envs, make_env, register_envs
+from agent_grpo.envs.text_env import TextEnv
 
 PLUGIN_ID = "test_plugin/Calc-v3"
 

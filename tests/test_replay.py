@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 from test_store import make_record
 
+from agent_grpo.envs.registry import make_env
 from agent_grpo.inspect.curves import (
     add_inspect_parser,
     logprob_drift,
@@ -27,11 +28,10 @@ from agent_grpo.inspect.replay import (
     token_rows,
     top_disagreements,
 )
-from agent_grpo.logprobs import reference_token_logprobs
-from agent_grpo.models import load_model
-from agent_grpo.registry import make_env
-from agent_grpo.store import RunDir
-from agent_grpo.trajectory import Message, Provenance, Termination, TrajectoryRecord
+from agent_grpo.models.loading import load_model
+from agent_grpo.models.logprobs import reference_token_logprobs
+from agent_grpo.run_dir.writer import RunWriter
+from agent_grpo.trajectory.record import Message, Provenance, Termination, TrajectoryRecord
 
 
 def _text(renderable: Any) -> str:
@@ -200,11 +200,11 @@ def test_cli_verify_uses_run_env_kwargs(
     records = _collect(_ScriptedBackend(tokenizer, texts), tokenizer, {"digits": 1}, seed=5)
     model = f"model: {{name_or_path: {embedded_model_dir}}}\n"
     config = model + f"env: {{id: {env_id}, kwargs: {{digits: 1}}}}\n"
-    run = RunDir.create(tmp_path, run_id="with-kwargs", config_text=config)
+    run = RunWriter.create(tmp_path, run_id="with-kwargs", config_text=config)
     run.write_trajectories(0, records)
     assert _cli(["replay", str(run.path), "--verify"]) == 0
     assert "verify s0-t0/0: ok" in capsys.readouterr().out
-    bare = RunDir.create(tmp_path, run_id="without", config_text=model)
+    bare = RunWriter.create(tmp_path, run_id="without", config_text=model)
     bare.write_trajectories(0, records)
     assert _cli(["replay", str(bare.path), "--verify"]) == 1
     assert "verify s0-t0/0: DIVERGES at turn None (prompt)" in capsys.readouterr().out
@@ -217,7 +217,7 @@ class _ScriptedBackend:
         self.tokenizer, self.texts, self.calls = tokenizer, texts, 0
 
     def generate(self, prompts: list[list[int]], sampling: Any, seeds: list[int]) -> list[Any]:
-        from agent_grpo.rollout.backend import Generation
+        from agent_grpo.rollout.backends.base import Generation
 
         text = self.texts[self.calls]
         self.calls += 1
@@ -243,7 +243,7 @@ def _collect(
     **sampling: Any,
 ) -> list[TrajectoryRecord]:
     """One Calculator-v0 group of two, collected from `backend` (the records `train` stores)."""
-    from agent_grpo.rollout.backend import SamplingConfig
+    from agent_grpo.rollout.backends.base import SamplingConfig
     from agent_grpo.rollout.collector import Task, collect_groups
     from agent_grpo.rollout.config import RolloutConfig
 
@@ -266,7 +266,7 @@ def test_collected_records_round_trip_the_store_and_verify(
     records = _collect(_ScriptedBackend(tokenizer, texts), tokenizer)
     assert [len(r.turns) for r in records] == [2, 2] and all(r.reward == 1.0 for r in records)
     config = f"model: {{name_or_path: {embedded_model_dir}}}\n"
-    run = RunDir.create(tmp_path, run_id="r", config_text=config)
+    run = RunWriter.create(tmp_path, run_id="r", config_text=config)
     run.write_trajectories(0, records)
     assert run.read_trajectories(0) == records
     assert _cli(["replay", str(run.path), "--verify"]) == 0
@@ -316,7 +316,7 @@ def test_recompute_logprobs_equals_reference_and_cli_reports_drift(
     exact_with_gap = list(exact)
     exact_with_gap[first] = exact[first] - 0.25  # type: ignore[operator]
     stored = record.model_copy(update={"sampler_logprobs": exact_with_gap, "old_logprobs": exact})
-    run = RunDir.create(
+    run = RunWriter.create(
         tmp_path, run_id="r", config_text=f"model: {{name_or_path: {tiny_model_dir}}}\n"
     )
     run.write_trajectories(0, [stored])
@@ -332,7 +332,7 @@ def test_recompute_logprobs_equals_reference_and_cli_reports_drift(
 
 
 def test_hf_sampler_logprobs_match_recomputed(tokenizer: Any, tiny_model_dir: Path) -> None:
-    from agent_grpo.rollout.hf_backend import HFBackend
+    from agent_grpo.rollout.backends.hf import HFBackend
 
     model = load_model(tiny_model_dir)
     records = _collect(HFBackend(model, tokenizer), tokenizer, max_tokens=24, temperature=0.8)
@@ -346,8 +346,8 @@ def test_hf_sampler_logprobs_match_recomputed(tokenizer: Any, tiny_model_dir: Pa
 
 
 @pytest.fixture
-def run(tmp_path: Path, embedded_model_dir: Path, tokenizer: Any) -> RunDir:
-    run = RunDir.create(
+def run(tmp_path: Path, embedded_model_dir: Path, tokenizer: Any) -> RunWriter:
+    run = RunWriter.create(
         tmp_path, run_id="r", config_text=f"model: {{name_or_path: {embedded_model_dir}}}\n"
     )
     run.write_trajectories(
@@ -386,7 +386,7 @@ def run(tmp_path: Path, embedded_model_dir: Path, tokenizer: Any) -> RunDir:
 
 
 def test_cli_replay_defaults_to_latest_step_overview(
-    run: RunDir, capsys: pytest.CaptureFixture[str], wide: None
+    run: RunWriter, capsys: pytest.CaptureFixture[str], wide: None
 ) -> None:
     assert _cli(["replay", str(run.path)]) == 0
     out = capsys.readouterr().out
@@ -395,7 +395,7 @@ def test_cli_replay_defaults_to_latest_step_overview(
 
 
 def test_cli_replay_filters_and_tokens(
-    run: RunDir, capsys: pytest.CaptureFixture[str], wide: None
+    run: RunWriter, capsys: pytest.CaptureFixture[str], wide: None
 ) -> None:
     assert _cli(["replay", str(run.path), "--step", "1", "--errors"]) == 0
     out = capsys.readouterr().out
@@ -432,7 +432,7 @@ def test_inspect_table_and_png(
 ) -> None:
     pytest.importorskip("matplotlib")
     monkeypatch.setenv("COLUMNS", "60")  # narrower than the table: it must widen, not cut
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
     first = {"reward_mean": 0.25, "reward_std": 0.125, "success_rate": 0.5, "clip_frac": 0.0625}
     run.write_metrics(0, first)
     run.write_metrics(1, {"reward_mean": 0.75, "kl_ref": 0.0123, "logprob_mismatch_mean": 0.0042})

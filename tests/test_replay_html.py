@@ -28,8 +28,8 @@ from agent_grpo.inspect.html import (
     write_html,
 )
 from agent_grpo.inspect.replay import add_replay_parser
-from agent_grpo.store import RunDir
-from agent_grpo.trajectory import Provenance, TrajectoryRecord
+from agent_grpo.run_dir.writer import RunWriter
+from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM_FLAGS = [
@@ -231,7 +231,7 @@ def test_cli_html_holds_every_step_and_opens_on_the_one_asked_for(
     tmp_path: Path, tokenizer: Any, embedded_model_dir: Path, records: list[TrajectoryRecord]
 ) -> None:
     config = f"model: {{name_or_path: {embedded_model_dir}}}\nalgo: {{scale: none}}\n"
-    run = RunDir.create(tmp_path, run_id="r", config_text=config)
+    run = RunWriter.create(tmp_path, run_id="r", config_text=config)
     for step in (0, 1):
         run.write_trajectories(step, [r for r in records if r.step == step])
     out = tmp_path / "page.html"

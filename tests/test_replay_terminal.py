@@ -23,8 +23,8 @@ from agent_grpo.inspect.replay import (
     render_group,
     render_trajectory,
 )
-from agent_grpo.store import RunDir
-from agent_grpo.trajectory import Provenance, TrajectoryRecord
+from agent_grpo.run_dir.writer import RunWriter
+from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
 RUNS = ["prompt", "model", "template", "observation", "template", "model"]
 """Provenance runs of `make_record`'s tokens, in order."""
@@ -59,10 +59,10 @@ def test_plain_token_view_marks_provenance_runs_and_clipped_tokens(tokenizer: An
 
 
 @pytest.fixture
-def run(tmp_path: Path, embedded_model_dir: Path, tokenizer: Any) -> RunDir:
+def run(tmp_path: Path, embedded_model_dir: Path, tokenizer: Any) -> RunWriter:
     """Step 0: one group of two (rewards 1, 0) under RLOO (`algo.leave_one_out`)."""
     config = f"model: {{name_or_path: {embedded_model_dir}}}\nalgo: {{leave_one_out: true}}\n"
-    run = RunDir.create(tmp_path, run_id="r", config_text=config)
+    run = RunWriter.create(tmp_path, run_id="r", config_text=config)
     group = [
         make_record(tokenizer, group_id="s0-t0", index=i, reward=1.0 - i, old_shift={0: 0.5})
         for i in range(2)
@@ -79,7 +79,7 @@ def piped(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cli_piped_output_is_plain_and_piped_width(
-    run: RunDir, capsys: pytest.CaptureFixture[str], piped: None
+    run: RunWriter, capsys: pytest.CaptureFixture[str], piped: None
 ) -> None:
     assert _cli(["replay", str(run.path), "--sample", "0", "--tokens"]) == 0
     out = capsys.readouterr().out
@@ -89,7 +89,7 @@ def test_cli_piped_output_is_plain_and_piped_width(
 
 
 def test_cli_no_prompt_leaves_the_prompt_out(
-    run: RunDir, capsys: pytest.CaptureFixture[str], piped: None
+    run: RunWriter, capsys: pytest.CaptureFixture[str], piped: None
 ) -> None:
     assert _cli(["replay", str(run.path), "--sample", "0", "--tokens"]) == 0
     assert "What is 2+2?" in capsys.readouterr().out
@@ -103,7 +103,7 @@ def test_cli_no_prompt_leaves_the_prompt_out(
 
 
 def test_cli_group_caption_is_the_whole_group_under_the_run_config(
-    run: RunDir, capsys: pytest.CaptureFixture[str], piped: None
+    run: RunWriter, capsys: pytest.CaptureFixture[str], piped: None
 ) -> None:
     assert _cli(["replay", str(run.path), "--sample", "1"]) == 0
     out = capsys.readouterr().out

@@ -17,7 +17,7 @@ from agent_grpo.rewards import (
     build_reward_fn,
     parse_judge_score,
 )
-from agent_grpo.trajectory import Lengths, Message, Termination, TrajectoryRecord
+from agent_grpo.trajectory.record import Lengths, Message, Termination, TrajectoryRecord
 
 
 def record(reward: float, answer: str) -> TrajectoryRecord:

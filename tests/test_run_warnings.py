@@ -10,12 +10,12 @@ import pytest
 from pydantic import BaseModel
 from test_collector import ScriptedBackend
 
-from agent_grpo.config import load_config
-from agent_grpo.env import ToolEnv, Verdict
+from agent_grpo.config.base import load_config
+from agent_grpo.config.jobs import TrainConfig
+from agent_grpo.envs.text_env import ToolEnv, Verdict
 from agent_grpo.rollout.collector import EnvStepError, Task, collect_groups
 from agent_grpo.rollout.config import RolloutConfig
-from agent_grpo.train.config import TrainConfig
-from agent_grpo.train.loop import train
+from agent_grpo.trainer.loop import train
 
 ROOT = Path(__file__).resolve().parent.parent
 DEAD = "rewards=[{type: rule, name: dead, function: 'knob_rules:constant'}]"

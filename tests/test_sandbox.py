@@ -23,12 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from agent_grpo.tool import format_tool_result, run_tool_call
-from agent_grpo.tools import sandbox
-from agent_grpo.tools.python import PYTHON_LIMITS, format_sandbox_result, python
-from agent_grpo.tools.sandbox import SandboxError, SandboxLimits, SandboxResult, run_sandboxed
-from agent_grpo.tools.sandbox_bwrap import WORKDIR, find_bwrap
-from agent_grpo.tools.sandbox_cgroup import (
+from agent_grpo.sandbox import runner as sandbox
+from agent_grpo.sandbox.bwrap import WORKDIR, find_bwrap
+from agent_grpo.sandbox.cgroup import (
     Mount,
     choose_layout,
     find_layout,
@@ -36,7 +33,10 @@ from agent_grpo.tools.sandbox_cgroup import (
     parse_mountinfo,
     parse_proc_cgroup,
 )
-from agent_grpo.tools.sandbox_seccomp import blocked_syscalls_filter, native_abi
+from agent_grpo.sandbox.runner import SandboxError, SandboxLimits, SandboxResult, run_sandboxed
+from agent_grpo.sandbox.seccomp import blocked_syscalls_filter, native_abi
+from agent_grpo.tools.python import PYTHON_LIMITS, format_sandbox_result, python
+from agent_grpo.tools.tool import format_tool_result, run_tool_call
 
 IS_ROOT = os.geteuid() == 0
 TEST_UIDS = range(62000, 62016)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent_grpo.logprobs import (
+from agent_grpo.models.logprobs import (
     common_prefix_length,
     micro_batch_logprobs,
     prefix_groups,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from agent_grpo.rollout.summary import summarize_trajectories
-from agent_grpo.train.metrics import dead_group_mask, logprob_mismatch, signal_metrics
-from agent_grpo.trajectory import (
+from agent_grpo.trainer.metrics import dead_group_mask, logprob_mismatch, signal_metrics
+from agent_grpo.trajectory.record import (
     Lengths,
     Message,
     Provenance,

@@ -1,4 +1,4 @@
-"""RunDir: append-only writes, torn-line recovery after kill -9, index seeks, export."""
+"""RunWriter: append-only writes, torn-line recovery after kill -9, index seeks, export."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from agent_grpo import store
-from agent_grpo.store import RunDir, RunDirWriteError, record_hash
-from agent_grpo.trajectory import (
+from agent_grpo.run_dir import writer as store
+from agent_grpo.run_dir.writer import RunDirWriteError, RunWriter, record_hash
+from agent_grpo.trajectory.record import (
     Lengths,
     Message,
     Provenance,
@@ -151,12 +151,14 @@ def _group(step: int, group_id: str, rewards: list[float]) -> list[TrajectoryRec
 
 
 def test_create_write_read_roundtrip(tmp_path: Path) -> None:
-    run = RunDir.create(tmp_path, run_id="r1", config_text="model: {name_or_path: x}\n", fsync=True)
+    run = RunWriter.create(
+        tmp_path, run_id="r1", config_text="model: {name_or_path: x}\n", fsync=True
+    )
     records = _group(1, "a", [1.0, 0.0])
     run.write_trajectories(1, records)
     run.write_trajectories(3, _group(3, "b", [0.0]))
     run.write_metrics(1, {"step": 1.0, "reward/mean": 0.5, "loss": float("nan"), "kl": None})
-    reopened = RunDir.open(tmp_path / "r1")
+    reopened = RunWriter.open(tmp_path / "r1")
     assert reopened.config_text == "model: {name_or_path: x}\n"
     assert reopened.steps() == [1, 3]
     assert reopened.read_trajectories(1) == records
@@ -165,16 +167,16 @@ def test_create_write_read_roundtrip(tmp_path: Path) -> None:
     assert isinstance(reopened.read_metrics()[0]["step"], int)
     assert (tmp_path / "r1/trajectories/step_000001.jsonl").exists()
     with pytest.raises(FileExistsError):
-        RunDir.create(tmp_path, run_id="r1")
+        RunWriter.create(tmp_path, run_id="r1")
 
 
 def test_open_rejects_non_run(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        RunDir.open(tmp_path)
+        RunWriter.open(tmp_path)
 
 
 def test_index_offsets_point_at_lines_and_find_filters(tmp_path: Path) -> None:
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
     run.write_trajectories(0, _group(0, "a", [1.0, 0.0, 0.25]))
     errs = [make_record(step=0, group_id="b", index=0, success=False, tool_error=True)]
     errs.append(make_record(step=0, group_id="b", index=1, success=False, termination="truncated"))
@@ -198,7 +200,7 @@ def test_index_offsets_point_at_lines_and_find_filters(tmp_path: Path) -> None:
 
 
 def test_find_seeks_without_parsing_other_lines(tmp_path: Path) -> None:
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
     run.write_trajectories(0, _group(0, "a", [1.0, 0.0]))
     path = run.trajectory_file(0)
     data = bytearray(path.read_bytes())
@@ -210,7 +212,7 @@ def test_find_seeks_without_parsing_other_lines(tmp_path: Path) -> None:
 
 
 def test_latest_checkpoint_skips_temp_and_empty_dirs(tmp_path: Path) -> None:
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
     assert run.latest_checkpoint() is None
     for step in (5, 10):
         run.checkpoint_dir(step).mkdir()
@@ -225,9 +227,9 @@ def test_latest_checkpoint_skips_temp_and_empty_dirs(tmp_path: Path) -> None:
 
 _TORN_WRITER = """
 import os, sys, time
-from agent_grpo.store import RunDir
-from agent_grpo.trajectory import TrajectoryRecord
-run = RunDir.open(sys.argv[1])
+from agent_grpo.run_dir.writer import RunWriter
+from agent_grpo.trajectory.record import TrajectoryRecord
+run = RunWriter.open(sys.argv[1])
 template = TrajectoryRecord.from_json_line(open(sys.argv[2]).read())
 for i in range(3):
     run.write_trajectories(0, [template.model_copy(update={"index_in_group": i})])
@@ -259,7 +261,7 @@ def _wait_for(predicate, timeout: float = 30.0) -> None:  # type: ignore[no-unty
 def test_kill_9_mid_record_skips_exactly_the_torn_one(
     tmp_path: Path, warnings_log: pytest.LogCaptureFixture
 ) -> None:
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
     template = tmp_path / "record.json"
     template.write_text(_big_record(200_000).to_json_line())
     marker = tmp_path / "half-written"
@@ -284,9 +286,9 @@ def test_kill_9_mid_record_skips_exactly_the_torn_one(
 
 _LOOP_WRITER = """
 import sys
-from agent_grpo.store import RunDir
-from agent_grpo.trajectory import TrajectoryRecord
-run = RunDir.open(sys.argv[1])
+from agent_grpo.run_dir.writer import RunWriter
+from agent_grpo.trajectory.record import TrajectoryRecord
+run = RunWriter.open(sys.argv[1])
 template = TrajectoryRecord.from_json_line(open(sys.argv[2]).read())
 i = 0
 while True:
@@ -298,7 +300,7 @@ while True:
 def test_kill_9_real_writer_loop_leaves_readable_prefix(
     tmp_path: Path, warnings_log: pytest.LogCaptureFixture
 ) -> None:
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
     template = tmp_path / "record.json"
     template.write_text(_big_record(1_000_000).to_json_line())
     writer = _start(_LOOP_WRITER, str(run.path), str(template))
@@ -318,7 +320,7 @@ def test_kill_9_real_writer_loop_leaves_readable_prefix(
 def test_torn_metrics_and_index_lines_are_skipped(
     tmp_path: Path, warnings_log: pytest.LogCaptureFixture
 ) -> None:
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
     run.write_metrics(0, {"a": 1.0})
     with open(run.path / "metrics.jsonl", "ab") as f:
         f.write(b'{"step": 1, "a": 2.')
@@ -330,7 +332,7 @@ def test_torn_metrics_and_index_lines_are_skipped(
 
 def test_export_parquet_roundtrip(tmp_path: Path) -> None:
     pq = pytest.importorskip("pyarrow.parquet")
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
     run.write_trajectories(0, _group(0, "a", [1.0, 0.0]))
     run.write_trajectories(2, [make_record(step=2, group_id="b", tool_error=True, reward=0.0)])
     out = tmp_path / "run.parquet"
@@ -349,7 +351,7 @@ def test_export_parquet_roundtrip(tmp_path: Path) -> None:
 
 
 def test_written_records_carry_the_hash_of_their_stored_content(tmp_path: Path) -> None:
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
     records = _group(0, "a", [1.0, 0.0])
     run.write_trajectories(0, records)
     lines = run.trajectory_file(0).read_bytes().splitlines()
@@ -369,7 +371,7 @@ def test_written_records_carry_the_hash_of_their_stored_content(tmp_path: Path) 
 
 
 def test_scan_step_reports_each_bad_line_at_its_offset(tmp_path: Path) -> None:
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
     run.write_trajectories(0, _group(0, "a", [1.0]))
     path = run.trajectory_file(0)
     good = path.read_bytes()
@@ -410,7 +412,7 @@ def _disk_full_after(monkeypatch: pytest.MonkeyPatch, room: int) -> None:
     monkeypatch.setattr(store, "_write_all", write_all)
 
 
-def _files(run: RunDir) -> dict[str, bytes]:
+def _files(run: RunWriter) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in [run.trajectory_file(0), run.path / "index.jsonl"]}
 
 
@@ -418,11 +420,11 @@ def _files(run: RunDir) -> dict[str, bytes]:
 def test_disk_full_mid_write_cuts_the_step_back_and_raises_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
     run.write_trajectories(0, _group(0, "a", [1.0, 0.0]))
     before = _files(run)
     more = _group(0, "b", [1.0, 0.5, 0.0])
-    scratch = RunDir.create(tmp_path, run_id="scratch")
+    scratch = RunWriter.create(tmp_path, run_id="scratch")
     scratch.write_trajectories(0, more)
     lines_size = scratch.trajectory_file(0).stat().st_size
     # Full in the middle of the second record, or in the middle of the index entries.
@@ -446,7 +448,7 @@ def test_disk_full_mid_write_cuts_the_step_back_and_raises_a_clear_error(
 def test_disk_full_on_a_new_step_leaves_no_step_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
     run.write_trajectories(0, _group(0, "a", [1.0]))
     _disk_full_after(monkeypatch, 100)
     with pytest.raises(RunDirWriteError):
@@ -457,7 +459,7 @@ def test_disk_full_on_a_new_step_leaves_no_step_file(
 def test_disk_full_in_metrics_leaves_them_readable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, warnings_log: pytest.LogCaptureFixture
 ) -> None:
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
     run.write_metrics(0, {"reward": 0.5})
     _disk_full_after(monkeypatch, 5)
     with pytest.raises(RunDirWriteError, match=r"metrics\.jsonl: disk full"):
@@ -476,7 +478,7 @@ def test_cli_reports_a_full_disk_as_one_line_and_exit_2(
 ) -> None:
     from agent_grpo import cli
 
-    run = RunDir.create(tmp_path, run_id="r")
+    run = RunWriter.create(tmp_path, run_id="r")
 
     def full_disk_command(args: object) -> int:
         run.write_metrics(0, {"reward": 0.5})

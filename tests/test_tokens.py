@@ -11,13 +11,19 @@ import pytest
 from reference_tokens import render_reference
 from transformers import PreTrainedTokenizerBase
 
-from agent_grpo.invariants import TrajectoryInvariantError, check_invariants
-from agent_grpo.tokens import (
+from agent_grpo.trajectory.invariants import TrajectoryInvariantError, check_invariants
+from agent_grpo.trajectory.record import (
+    Message,
+    Provenance,
+    Termination,
+    TrajectoryRecord,
+    TurnRecord,
+)
+from agent_grpo.trajectory.tokens import (
     ChatTemplateError,
     TemplateNotAppendOnlyError,
     TokenBuilder,
 )
-from agent_grpo.trajectory import Message, Provenance, Termination, TrajectoryRecord, TurnRecord
 
 P, M, T, OBS = Provenance.PROMPT, Provenance.MODEL, Provenance.TEMPLATE, Provenance.OBSERVATION
 EOS = 2

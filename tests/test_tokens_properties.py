@@ -11,9 +11,9 @@ from reference_tokens import render_reference
 from test_tokens import make_record
 from transformers import PreTrainedTokenizerBase
 
-from agent_grpo.invariants import check_invariants
-from agent_grpo.tokens import TokenBuilder, encode_plain
-from agent_grpo.trajectory import Message, Provenance, Termination, TrajectoryRecord
+from agent_grpo.trajectory.invariants import check_invariants
+from agent_grpo.trajectory.record import Message, Provenance, Termination, TrajectoryRecord
+from agent_grpo.trajectory.tokens import TokenBuilder, encode_plain
 
 EOS = 2
 HOSTILE = [

@@ -1,4 +1,4 @@
-"""Tests for agent_grpo.tool: schema from signature, validation, timeouts, errors, size caps."""
+"""agent_grpo.tools.tool: schema from signature, validation, timeouts, errors, size caps."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import pytest
 from pydantic import BaseModel, Field
 
-from agent_grpo.tool import (
+from agent_grpo.tools.tool import (
     Tool,
     arun_tool_call,
     format_tool_result,
@@ -18,7 +18,7 @@ from agent_grpo.tool import (
     run_tool_call,
     tool,
 )
-from agent_grpo.trajectory import ToolCallRecord
+from agent_grpo.trajectory.record import ToolCallRecord
 
 TIMEOUT_SLACK_S = 0.5
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from agent_grpo.toolcalls import (
+from agent_grpo.tools.call_format import (
     HermesToolCallFormat,
     ParsedToolCall,
     ToolCallFormat,

@@ -10,19 +10,19 @@ import pytest
 import torch
 from test_collector import CALL, ScriptedBackend
 
-from agent_grpo.config import ConfigError, load_config
-from agent_grpo.logprobs import token_logprobs
-from agent_grpo.models import load_model
+from agent_grpo.config.base import ConfigError, load_config
+from agent_grpo.config.jobs import AlgoConfig, TrainConfig
+from agent_grpo.models.loading import load_model
+from agent_grpo.models.logprobs import token_logprobs
+from agent_grpo.rollout import step as train_rollout
 from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult, Task, collect_groups
 from agent_grpo.rollout.config import RolloutConfig
-from agent_grpo.tokens import ChatTemplateError
-from agent_grpo.train import rollout as train_rollout
-from agent_grpo.train.batch import pack_records
-from agent_grpo.train.config import AlgoConfig, TrainConfig
-from agent_grpo.train.loop import advantages_of, resolve_max_tokens, train
-from agent_grpo.train.parallel import DistContext, wrap_policy
-from agent_grpo.train.update import minibatch_update
-from agent_grpo.trajectory import Lengths, Message, Provenance, Termination, TrajectoryRecord
+from agent_grpo.trainer.batch import pack_records
+from agent_grpo.trainer.loop import advantages_of, resolve_max_tokens, train
+from agent_grpo.trainer.parallel import DistContext, wrap_policy
+from agent_grpo.trainer.update import minibatch_update
+from agent_grpo.trajectory.record import Lengths, Message, Provenance, Termination, TrajectoryRecord
+from agent_grpo.trajectory.tokens import ChatTemplateError
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs/calculator-tiny.yaml"

@@ -34,9 +34,9 @@ from dist_worker import run_torchrun
 from safetensors.torch import load_file
 from test_cli_e2e import RULE, RULE_REWARD, deterministic, metrics
 
-from agent_grpo.config import ConfigError
-from agent_grpo.train.config import DistributedConfig, TrainConfig
-from agent_grpo.train.trainer import start_distributed
+from agent_grpo.config.base import ConfigError
+from agent_grpo.config.jobs import DistributedConfig, TrainConfig
+from agent_grpo.trainer.trainer import start_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs/calculator-tiny.yaml")

@@ -7,11 +7,11 @@ import copy
 
 import torch
 
-from agent_grpo.train.batch import pack_records
-from agent_grpo.train.config import AlgoConfig
-from agent_grpo.train.parallel import DistContext, wrap_policy
-from agent_grpo.train.update import minibatch_update
-from agent_grpo.trajectory import Lengths, Message, Provenance, Termination, TrajectoryRecord
+from agent_grpo.config.jobs import AlgoConfig
+from agent_grpo.trainer.batch import pack_records
+from agent_grpo.trainer.parallel import DistContext, wrap_policy
+from agent_grpo.trainer.update import minibatch_update
+from agent_grpo.trajectory.record import Lengths, Message, Provenance, Termination, TrajectoryRecord
 
 
 def group_records(

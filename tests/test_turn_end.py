@@ -14,19 +14,19 @@ from reference_tokens import render_reference
 from test_tokens import make_record
 from transformers import PreTrainedTokenizerBase
 
-from agent_grpo.invariants import check_invariants
-from agent_grpo.rollout.backend import SamplingConfig
+from agent_grpo.rollout.backends.base import SamplingConfig
+from agent_grpo.rollout.backends.factory import build_backend
+from agent_grpo.rollout.backends.hf import HFBackend
 from agent_grpo.rollout.config import OpenAIBackendConfig
-from agent_grpo.rollout.factory import build_backend
-from agent_grpo.rollout.hf_backend import HFBackend
-from agent_grpo.tokens import (
+from agent_grpo.trainer.warm_start import expert_record
+from agent_grpo.trajectory.invariants import check_invariants
+from agent_grpo.trajectory.record import Message
+from agent_grpo.trajectory.tokens import (
     ChatTemplateError,
     TokenBuilder,
     TurnEnd,
     turn_end_ids,
 )
-from agent_grpo.train.warm_start import expert_record
-from agent_grpo.trajectory import Message
 
 IM_END, ENDOFTEXT = 2, 0
 PROMPT = [

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from test_replay import _cli, _expert_record, _ScriptedBackend
 
+from agent_grpo.envs.registry import make_env
 from agent_grpo.inspect.curves import verify_record
-from agent_grpo.invariants import check_invariants
-from agent_grpo.registry import make_env
-from agent_grpo.store import RunDir
-from agent_grpo.trajectory import Provenance, TrajectoryRecord
+from agent_grpo.run_dir.writer import RunWriter
+from agent_grpo.trajectory.invariants import check_invariants
+from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
 ENV_ID = "agent_grpo/Calculator-v0"
 FILE = "trajectories/step_000000.jsonl"
@@ -42,25 +42,25 @@ def collected(tokenizer: Any) -> list[TrajectoryRecord]:
 
 
 @pytest.fixture
-def run(tmp_path: Path, embedded_model_dir: Path, collected: list[TrajectoryRecord]) -> RunDir:
+def run(tmp_path: Path, embedded_model_dir: Path, collected: list[TrajectoryRecord]) -> RunWriter:
     """A run directory holding the four records as step 0."""
     config = f"model: {{name_or_path: {embedded_model_dir}}}\nenv: {{id: {ENV_ID}}}\n"
-    run = RunDir.create(tmp_path, run_id="r", config_text=config)
+    run = RunWriter.create(tmp_path, run_id="r", config_text=config)
     run.write_trajectories(0, [r.model_copy(deep=True) for r in collected])
     return run
 
 
-def _verify(run: RunDir, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+def _verify(run: RunWriter, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     capsys.readouterr()
     code = _cli(["replay", str(run.path), "--verify", *args])
     return code, capsys.readouterr().out
 
 
-def _lines(run: RunDir) -> list[bytes]:
+def _lines(run: RunWriter) -> list[bytes]:
     return run.trajectory_file(0).read_bytes().splitlines(keepends=True)
 
 
-def _rewrite(run: RunDir, index: int, record: TrajectoryRecord) -> tuple[bytes, bytes]:
+def _rewrite(run: RunWriter, index: int, record: TrajectoryRecord) -> tuple[bytes, bytes]:
     """Replace line `index` with `record` as the writer would serialize it (its stored hash
     kept: a change made after writing); return the old and the new line."""
     lines = _lines(run)
@@ -82,7 +82,7 @@ def _same_width_neighbour(token_id: int) -> int:
 
 
 def test_a_clean_run_is_ok_and_the_report_ends_with_counts(
-    run: RunDir, capsys: pytest.CaptureFixture[str], wide: None
+    run: RunWriter, capsys: pytest.CaptureFixture[str], wide: None
 ) -> None:
     code, out = _verify(run, capsys)
     lines = out.splitlines()
@@ -92,7 +92,7 @@ def test_a_clean_run_is_ok_and_the_report_ends_with_counts(
 
 
 def test_a_flipped_model_token_id_is_corrupt(
-    run: RunDir, capsys: pytest.CaptureFixture[str], wide: None
+    run: RunWriter, capsys: pytest.CaptureFixture[str], wide: None
 ) -> None:
     record = run.read_trajectories(0)[0]
     position = record.provenance.index(Provenance.MODEL)
@@ -108,7 +108,7 @@ def test_a_flipped_model_token_id_is_corrupt(
 
 
 def test_a_flipped_token_id_that_keeps_the_invariants_is_caught_by_the_hash(
-    run: RunDir, tokenizer: Any, capsys: pytest.CaptureFixture[str], wide: None
+    run: RunWriter, tokenizer: Any, capsys: pytest.CaptureFixture[str], wide: None
 ) -> None:
     record = run.read_trajectories(0)[1]
     position = record.provenance.index(Provenance.PROMPT) + 3
@@ -123,7 +123,7 @@ def test_a_flipped_token_id_that_keeps_the_invariants_is_caught_by_the_hash(
 
 
 def test_a_changed_observation_is_corrupt_and_the_env_diverges(
-    run: RunDir, capsys: pytest.CaptureFixture[str], wide: None
+    run: RunWriter, capsys: pytest.CaptureFixture[str], wide: None
 ) -> None:
     record = run.read_trajectories(0)[2].model_copy(deep=True)
     tool = next(m for m in record.messages if m.role == "tool")
@@ -136,7 +136,7 @@ def test_a_changed_observation_is_corrupt_and_the_env_diverges(
 
 
 def test_a_changed_observation_without_a_hash_diverges(
-    run: RunDir, capsys: pytest.CaptureFixture[str], wide: None
+    run: RunWriter, capsys: pytest.CaptureFixture[str], wide: None
 ) -> None:
     record = run.read_trajectories(0)[2].model_copy(deep=True)
     next(m for m in record.messages if m.role == "tool").content = "999"
@@ -148,7 +148,7 @@ def test_a_changed_observation_without_a_hash_diverges(
 
 
 def test_a_torn_last_line_is_corrupt_at_its_offset_and_the_rest_is_ok(
-    run: RunDir, capsys: pytest.CaptureFixture[str], wide: None
+    run: RunWriter, capsys: pytest.CaptureFixture[str], wide: None
 ) -> None:
     lines = _lines(run)
     torn_at = sum(map(len, lines[:3]))
@@ -165,7 +165,10 @@ def test_a_torn_last_line_is_corrupt_at_its_offset_and_the_rest_is_ok(
 
 
 def test_a_torn_line_mid_file_after_a_resumed_writer(
-    run: RunDir, collected: list[TrajectoryRecord], capsys: pytest.CaptureFixture[str], wide: None
+    run: RunWriter,
+    collected: list[TrajectoryRecord],
+    capsys: pytest.CaptureFixture[str],
+    wide: None,
 ) -> None:
     lines = _lines(run)
     # A writer killed mid-line (before the index entries), then a resumed one writing the last
@@ -183,7 +186,7 @@ def test_a_torn_line_mid_file_after_a_resumed_writer(
 
 
 def test_a_grown_line_is_corrupt_and_hides_no_other_record(
-    run: RunDir, tokenizer: Any, capsys: pytest.CaptureFixture[str], wide: None
+    run: RunWriter, tokenizer: Any, capsys: pytest.CaptureFixture[str], wide: None
 ) -> None:
     record = run.read_trajectories(0)[0]
     position = next(i for i, t in enumerate(record.token_ids) if t < len(tokenizer) // 1000)
@@ -202,7 +205,7 @@ def test_a_grown_line_is_corrupt_and_hides_no_other_record(
 
 
 def test_a_duplicated_record_is_reported_with_both_offsets(
-    run: RunDir, capsys: pytest.CaptureFixture[str], wide: None
+    run: RunWriter, capsys: pytest.CaptureFixture[str], wide: None
 ) -> None:
     lines = _lines(run)
     run.trajectory_file(0).write_bytes(b"".join(lines) + lines[1])
@@ -215,7 +218,7 @@ def test_a_duplicated_record_is_reported_with_both_offsets(
 
 
 def test_a_missing_record_leaves_its_group_incomplete(
-    run: RunDir, capsys: pytest.CaptureFixture[str], wide: None
+    run: RunWriter, capsys: pytest.CaptureFixture[str], wide: None
 ) -> None:
     lines = _lines(run)
     run.trajectory_file(0).write_bytes(b"".join(lines[:1] + lines[2:]))
@@ -226,7 +229,7 @@ def test_a_missing_record_leaves_its_group_incomplete(
 
 
 def test_records_without_a_hash_are_unverifiable_not_ok(
-    run: RunDir, capsys: pytest.CaptureFixture[str], wide: None
+    run: RunWriter, capsys: pytest.CaptureFixture[str], wide: None
 ) -> None:
     old_format = []
     for line in _lines(run):
@@ -244,7 +247,7 @@ def test_records_without_a_hash_are_unverifiable_not_ok(
 
 
 def test_group_selects_what_is_checked(
-    run: RunDir, capsys: pytest.CaptureFixture[str], wide: None
+    run: RunWriter, capsys: pytest.CaptureFixture[str], wide: None
 ) -> None:
     record = run.read_trajectories(0)[0]
     position = record.provenance.index(Provenance.MODEL)

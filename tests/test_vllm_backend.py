@@ -14,15 +14,15 @@ import torch
 from tiny_vllm import save_tiny_llama
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from agent_grpo.rollout.backend import SamplingConfig
-from agent_grpo.rollout.hf_backend import HFBackend
+from agent_grpo.rollout.backends.base import SamplingConfig
+from agent_grpo.rollout.backends.hf import HFBackend
 
 pytest.importorskip("vllm")
 
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput
 
-from agent_grpo.rollout.vllm_backend import (
+from agent_grpo.rollout.backends.vllm import (
     VLLMBackend,
     VLLMBackendError,
     to_generation,
@@ -283,9 +283,9 @@ BUILTIN_ENVS = ["Calculator-v0", "PythonSandbox-v0", "Search-v0", "WebApi-v0"]
 @pytest.mark.slow
 @pytest.mark.parametrize("name", BUILTIN_ENVS)
 def test_collected_trajectories_pass_the_invariants(tiny, tokenizer, name) -> None:
-    from agent_grpo.invariants import check_invariants
     from agent_grpo.rollout.collector import Task, collect_groups
     from agent_grpo.rollout.config import RolloutConfig
+    from agent_grpo.trajectory.invariants import check_invariants
 
     _, backend = tiny
     sampling = SamplingConfig(temperature=1.0, max_tokens=24, stop=["</tool_call>"])

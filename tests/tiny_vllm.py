@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
-from agent_grpo.models import tiny_model_config
+from agent_grpo.models.loading import tiny_model_config
 
 
 def save_tiny_llama(path: Path, tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from agent_grpo.algo.grpo import Aggregation, KLKind
-from agent_grpo.config import ConfigModel
+from agent_grpo.config.base import ConfigModel
 
 __all__ = ["AlgoConfig"]
 
@@ -50,7 +50,7 @@ class AlgoConfig(ConfigModel):
     """Step AdamW inside backward, each parameter as soon as its gradient is complete, and free
     that gradient at once: the update never holds a whole model's gradients (for the 135M model
     513 MiB less at peak). Needs `max_grad_norm: null` and one process
-    (agent_grpo/train/backward_steps.py)."""
+    (agent_grpo/trainer/backward_steps.py)."""
     epochs: int = Field(default=1, ge=1)
     """Passes over each step's batch (ratios leave 1 only from the second pass on)."""
     minibatches: int = Field(default=1, ge=1)
@@ -61,7 +61,7 @@ class AlgoConfig(ConfigModel):
     recompute_mlp: bool = False
     """Recompute each decoder layer's MLP in backward instead of keeping its activations: about
     half the saved activations (135M model: 2.1 -> 1.1 MiB a token) for one extra MLP forward
-    (agent_grpo/train/recompute.py)."""
+    (agent_grpo/trainer/recompute.py)."""
     shared_prefix: bool = True
     """Run the backbone once over each group's shared prompt, the prompts of every group in a
     micro-batch in one pass (same result, less compute)."""

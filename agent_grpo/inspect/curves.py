@@ -32,8 +32,8 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from agent_grpo.inspect.flags import row_flags
-from agent_grpo.store import RunDir
-from agent_grpo.trajectory import TrajectoryRecord
+from agent_grpo.run_dir.writer import RunWriter
+from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = [
     "COLUMNS",
@@ -252,7 +252,7 @@ def _std_band(ax: Any, rows: Sequence[Mapping[str, Any]], mean: Curve) -> None:
 
 def inspect_run(path: str | Path, out: Path | None = None, console: Console | None = None) -> Path:
     """Print the metrics table of the run at `path` and write its curves PNG; return the PNG."""
-    run = RunDir.open(path)
+    run = RunWriter.open(path)
     rows = run.read_metrics()
     console = console or Console()
     table = metrics_table(rows, title=f"run {run.run_id}")
@@ -393,7 +393,7 @@ def recompute_logprobs(model: Any, record: TrajectoryRecord) -> list[float | Non
     """Logprobs of `record`'s model tokens under `model` (plain forward, record temperature)."""
     import torch
 
-    from agent_grpo.logprobs import token_logprobs
+    from agent_grpo.models.logprobs import token_logprobs
 
     ids = torch.tensor([record.token_ids])  # [1, T]
     with torch.no_grad():

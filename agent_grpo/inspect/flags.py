@@ -1,6 +1,6 @@
 """What `inspect` flags on a step of `metrics.jsonl`: the problems a mean reward hides.
 
-The same conditions as the step line of a running trainer (`agent_grpo.train.step_log.
+The same conditions as the step line of a running trainer (`agent_grpo.trainer.step_log.
 step_flags`), read back from a flat metrics row so that a finished run, or one trained before the
 step line had flags, shows them too: no learning signal (every group dead: loss 0 and grad norm
 0), env or verifier exceptions, non-finite rewards, malformed tool calls, truncation, skipped

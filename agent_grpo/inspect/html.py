@@ -31,7 +31,7 @@ from typing import Any
 from agent_grpo.inspect.baseline import GroupBaseline, group_baseline
 from agent_grpo.inspect.html_page import PAGE_CSS, PAGE_JS
 from agent_grpo.inspect.replay import DEFAULT_CLIP_EPS, PROVENANCE_STYLES, TokenRow, token_rows
-from agent_grpo.trajectory import Provenance, TrajectoryRecord
+from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
 __all__ = [
     "DEFAULT_LOW_PROB",

@@ -45,8 +45,8 @@ from agent_grpo.inspect.curves import (
     recompute_logprobs,
 )
 from agent_grpo.inspect.verify import print_report, verify_lines
-from agent_grpo.store import RecordFilter, RunDir, StoredLine, select_entries
-from agent_grpo.trajectory import Provenance, TrajectoryRecord
+from agent_grpo.run_dir.writer import RecordFilter, RunWriter, StoredLine, select_entries
+from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
 __all__ = [
     "PIPED_WIDTH",
@@ -357,16 +357,16 @@ def render_group(
 # The `replay` subcommand
 
 
-def _run_config(run: RunDir) -> dict[str, Any]:
+def _run_config(run: RunWriter) -> dict[str, Any]:
     import yaml
 
     config = yaml.safe_load(run.config_text)
     return config if isinstance(config, dict) else {}
 
 
-def load_run_tokenizer(run: RunDir) -> Any:
+def load_run_tokenizer(run: RunWriter) -> Any:
     """The tokenizer named by the run's `config.yaml` (`model: {name_or_path: ...}`)."""
-    from agent_grpo.models import load_tokenizer
+    from agent_grpo.models.loading import load_tokenizer
 
     name = (_run_config(run).get("model") or {}).get("name_or_path")
     if not name:
@@ -374,9 +374,9 @@ def load_run_tokenizer(run: RunDir) -> Any:
     return load_tokenizer(name)
 
 
-def run_env_factory(run: RunDir) -> Callable[[str], Any]:
+def run_env_factory(run: RunWriter) -> Callable[[str], Any]:
     """`make_env` with the run's `env.kwargs` (records keep the env id, not its kwargs)."""
-    from agent_grpo.registry import make_env
+    from agent_grpo.envs.registry import make_env
 
     env = _run_config(run).get("env") or {}
     kwargs = env.get("kwargs") or {}
@@ -425,7 +425,7 @@ def _record_filter(args: argparse.Namespace) -> RecordFilter:
 
 
 def _show(
-    console: Console, records: list[TrajectoryRecord], args: argparse.Namespace, run: RunDir
+    console: Console, records: list[TrajectoryRecord], args: argparse.Namespace, run: RunWriter
 ) -> None:
     detailed = args.group is not None or args.sample is not None or args.tokens
     detailed = detailed or _record_filter(args) != RecordFilter()
@@ -449,7 +449,7 @@ def _by_group(records: Sequence[TrajectoryRecord]) -> dict[tuple[int, str], list
 
 
 def group_baselines(
-    run: RunDir, records: Sequence[TrajectoryRecord]
+    run: RunWriter, records: Sequence[TrajectoryRecord]
 ) -> dict[tuple[int, str], GroupBaseline]:
     """Each shown group's baseline, under the run's `algo` config, over the *whole* group: a
     filter (--failed, --sample) shows some members, but the advantages used them all."""
@@ -469,7 +469,7 @@ def _console() -> Console:
     return console
 
 
-def _verify(console: Console, run: RunDir, args: argparse.Namespace) -> int:
+def _verify(console: Console, run: RunWriter, args: argparse.Namespace) -> int:
     """Scan the chosen steps' files (not the index: a changed line shifts its offsets), check
     the lines --group/--sample/filters choose, print the report; 1 on any problem."""
     steps = run.steps() if args.step is None else [args.step]
@@ -489,7 +489,7 @@ def _verify(console: Console, run: RunDir, args: argparse.Namespace) -> int:
     return 1 if report.failed else 0
 
 
-def _write_html(args: argparse.Namespace, run: RunDir, records: list[TrajectoryRecord]) -> None:
+def _write_html(args: argparse.Namespace, run: RunWriter, records: list[TrajectoryRecord]) -> None:
     from agent_grpo.inspect.html import write_html
 
     write_html(
@@ -499,7 +499,7 @@ def _write_html(args: argparse.Namespace, run: RunDir, records: list[TrajectoryR
 
 
 def _recompute(console: Console, records: list[TrajectoryRecord], checkpoint: Path) -> None:
-    from agent_grpo.models import load_model
+    from agent_grpo.models.loading import load_model
 
     # A trainer checkpoint keeps the HF model in `model/` beside its optimizer state.
     nested = checkpoint / "model"
@@ -511,7 +511,7 @@ def _recompute(console: Console, records: list[TrajectoryRecord], checkpoint: Pa
 def cmd_replay(args: argparse.Namespace) -> int:
     """Handler of `replay`: verify the run, or select records, then show, rescore or write
     HTML."""
-    run = RunDir.open(args.run)
+    run = RunWriter.open(args.run)
     console = _console()
     if args.verify:
         return _verify(console, run, args)

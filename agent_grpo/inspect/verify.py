@@ -1,6 +1,6 @@
 """`replay --verify`: check each stored record itself, then re-run its environment.
 
-The lines of the chosen steps' trajectory files are read by scanning (`RunDir.scan_step`), never
+The lines of the chosen steps' trajectory files are read by scanning (`RunWriter.scan_step`), never
 through the index, whose byte offsets a grown or shrunk line shifts. Each line gets one outcome,
 the first that applies:
 
@@ -29,9 +29,9 @@ from typing import Any
 from rich.console import Console
 
 from agent_grpo.inspect.curves import Divergence, verify_record
-from agent_grpo.invariants import check_invariants
-from agent_grpo.store import StoredLine
-from agent_grpo.trajectory import TrajectoryRecord
+from agent_grpo.run_dir.writer import StoredLine
+from agent_grpo.trajectory.invariants import check_invariants
+from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = [
     "Outcome",

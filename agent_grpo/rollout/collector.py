@@ -33,13 +33,13 @@ import gymnasium
 from pydantic import BaseModel, ConfigDict
 from rich.progress import Progress
 
-from agent_grpo.env import read_step_info
-from agent_grpo.invariants import check_invariants
-from agent_grpo.registry import make_env
-from agent_grpo.rollout.backend import Generation, GenerationBackend
+from agent_grpo.envs.registry import make_env
+from agent_grpo.envs.text_env import read_step_info
+from agent_grpo.rollout.backends.base import Generation, GenerationBackend
 from agent_grpo.rollout.config import RolloutConfig
-from agent_grpo.tokens import ChatTemplateError, TokenBuilder
-from agent_grpo.trajectory import Message, Termination, TrajectoryRecord, TurnRecord
+from agent_grpo.trajectory.invariants import check_invariants
+from agent_grpo.trajectory.record import Message, Termination, TrajectoryRecord, TurnRecord
+from agent_grpo.trajectory.tokens import ChatTemplateError, TokenBuilder
 
 __all__ = [
     "EnvStepError",

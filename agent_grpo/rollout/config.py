@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from agent_grpo.config import ConfigModel
-from agent_grpo.rollout.backend import SamplingConfig
+from agent_grpo.config.base import ConfigModel
+from agent_grpo.rollout.backends.base import SamplingConfig
 
 __all__ = [
     "BackendConfig",
@@ -33,7 +33,7 @@ class HFBackendConfig(ConfigModel):
     """Most sequences decoded together."""
     packed_decode: bool = True
     """On CPU, decode steps run the linear layers on oneDNN with the weights reordered once per
-    weight update (`agent_grpo/rollout/packed_linear.py`), which streams them faster than
+    weight update (`agent_grpo/rollout/backends/packed_linear.py`), which streams them faster than
     `F.linear` at a few rows; it holds one more copy of the weights while a rollout runs.
     false: `F.linear` throughout."""
 

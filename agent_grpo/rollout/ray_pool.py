@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from agent_grpo.models import load_model, load_tokenizer
+from agent_grpo.models.loading import load_model, load_tokenizer
+from agent_grpo.rollout.backends.factory import build_backend, rollout_limits
 from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult, Task, collect_groups
 from agent_grpo.rollout.config import BackendConfig, HFBackendConfig, RolloutConfig
-from agent_grpo.rollout.factory import build_backend, rollout_limits
-from agent_grpo.trajectory import TrajectoryRecord
+from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = ["PendingCollection", "RayRolloutPool", "RolloutWorker", "merge_metrics", "split_tasks"]
 
@@ -257,7 +257,7 @@ class RayRolloutPool:
         actor reads. Queued behind each actor's submitted collections; returns at once (a later
         collection on that actor runs after the load).
 
-        Pass `policy.state_dict()`, or `agent_grpo.train.parallel.full_state_dict` under FSDP2.
+        Pass `policy.state_dict()`, or `agent_grpo.trainer.parallel.full_state_dict` under FSDP2.
         """
         cpu = {k: v.detach().to("cpu") for k, v in state_dict.items()}
         shared = self._ray.put(cpu)

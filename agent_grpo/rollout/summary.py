@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
-from agent_grpo.trajectory import TrajectoryRecord
+from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = ["TrajectorySummary", "summarize_trajectories"]
 

@@ -1,0 +1,249 @@
+"""The typed config of `agent-grpo train` and `agent-grpo eval`, loaded from `configs/*.yaml`.
+
+Variants are named types chosen by `type` (a discriminated union), never import paths in YAML:
+the generation backend (`hf`, `vllm`, `openai`) and each extra reward source.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from agent_grpo.algo.config import AlgoConfig
+from agent_grpo.config.base import ConfigModel
+from agent_grpo.rewards import RewardSourceConfig
+from agent_grpo.rollout.config import (
+    BackendConfig,
+    HFBackendConfig,
+    OpenAIBackendConfig,
+    RolloutConfig,
+    VLLMBackendConfig,
+)
+from agent_grpo.trainer.lora import LoraSettings
+
+__all__ = [
+    "AlgoConfig",
+    "BackendConfig",
+    "DistributedConfig",
+    "EnvConfig",
+    "EvalConfig",
+    "EvalRunConfig",
+    "HFBackendConfig",
+    "ModelConfig",
+    "OpenAIBackendConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "TrainConfig",
+    "VLLMBackendConfig",
+    "WarmStartConfig",
+]
+
+
+class ModelConfig(ConfigModel):
+    """Which policy to train."""
+
+    name_or_path: str = "smollm2-135m-instruct"
+    """An embedded model name, a local Hugging Face directory, or a Hugging Face hub id."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the forward passes (training and `hf` sampling). Parameters, and so the
+    optimizer's master weights, stay fp32; bfloat16 runs under autocast. The frozen reference
+    (`algo.beta > 0`) is held in this dtype: it has no optimizer to keep fp32 weights for."""
+    lora: LoraSettings | None = None
+    """Train a LoRA adapter (peft) instead of every weight; None: full fine-tuning."""
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where the policy, the reference and every batch tensor live: `auto` (this rank's GPU if
+    CUDA is available, else the CPU), `cpu`, `cuda` (this rank's GPU) or `cuda:N`."""
+
+
+class EnvConfig(ConfigModel):
+    """Which environment the tasks come from."""
+
+    id: str = "agent_grpo/Calculator-v0"
+    """Registered gymnasium id or `package.module:Class`."""
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments for the environment constructor (e.g. max_turns, difficulty)."""
+
+
+class WarmStartConfig(ConfigModel):
+    """Supervised warm start on the environment's expert trajectories (model tokens only)."""
+
+    demos: int = 64
+    """Expert episodes to imitate."""
+    epochs: int = 1
+    """Passes over the demonstrations."""
+    batch_size: int = 8
+    """Episodes per optimizer step."""
+    lr: float = 1e-4
+    """AdamW learning rate."""
+
+
+class EvalConfig(ConfigModel):
+    """Evaluation on held-out seeds."""
+
+    tasks: int = 64
+    """Held-out tasks to evaluate."""
+    samples: int = 1
+    """Samples per task (k of pass@k)."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy."""
+    max_tokens: int = 96
+    """Most tokens per assistant turn."""
+
+
+class DistributedConfig(ConfigModel):
+    """Data-parallel training under `torchrun` (docs/scaling.md)."""
+
+    mode: Literal["none", "ddp", "fsdp"] = "none"
+    """`none`: one process. `ddp`: every rank holds the whole model and gradients are averaged.
+    `fsdp`: FSDP2 shards each decoder layer over the ranks. ddp and fsdp need
+    `torchrun --nproc_per_node N -m agent_grpo.cli train ...` with N >= 2."""
+    timeout_s: float = 3600.0
+    """How long a rank waits in a collective (e.g. for rank 0's rollouts and evaluations)."""
+
+
+class RunConfig(ConfigModel):
+    """Where outputs go."""
+
+    root: str = "runs"
+    """Directory holding run directories."""
+    name: str = "run"
+    """Run name; the run directory is `{root}/{name}`."""
+    checkpoint_every: int = Field(default=0, ge=0)
+    """Also save a checkpoint every N steps; 0: by `checkpoint_every_s` alone. A run always
+    saves one before its first GRPO step (base eval and warm start done) and one at the end."""
+    checkpoint_every_s: float = Field(default=300.0, ge=0.0)
+    """Save a checkpoint after the first step that ends this many seconds after the last one
+    (0 turns the clock off): a crash costs at most about this much training."""
+    keep_checkpoints: int = Field(default=2, ge=1)
+    """Keep the newest K checkpoints and delete older ones (each holds weights and AdamW
+    state: about 1.6 GB for the 135M demo model)."""
+    log_trajectories: bool = True
+    """Write every trajectory record to the run directory."""
+    tensorboard: bool = True
+    """Also write each step's metrics as TensorBoard scalars under `{run}/tensorboard`."""
+
+
+class TrainConfig(ConfigModel):
+    """`agent-grpo train`: base eval -> warm start -> GRPO -> final eval."""
+
+    seed: int = 0
+    """Seed for task sampling, sampling and initialisation."""
+    steps: int = Field(default=10, ge=0)
+    """GRPO steps."""
+    model: ModelConfig = ModelConfig()
+    """Policy model."""
+    env: EnvConfig = EnvConfig()
+    """Environment."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Group sampling."""
+    algo: AlgoConfig = AlgoConfig()
+    """The policy update."""
+    rewards: list[RewardSourceConfig] = []
+    """Extra reward sources added to the verifier's reward, each with a weight."""
+    warm_start: WarmStartConfig | None = None
+    """Supervised warm start before GRPO; None skips it."""
+    eval: EvalConfig | None = EvalConfig()
+    """Held-out evaluation before and after training; None skips it."""
+    run: RunConfig = RunConfig()
+    """Output location and checkpointing."""
+    distributed: DistributedConfig = DistributedConfig()
+    """One process, or DDP / FSDP2 under torchrun."""
+
+    @model_validator(mode="after")
+    def _learnable(self) -> TrainConfig:
+        rows = self.rollout.tasks_per_step * self.rollout.group_size
+        if self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={self.rollout.group_size}: GRPO's advantage is relative to "
+                "the other members of a group, so a group of one never learns; use 2 or more"
+            )
+        if self.algo.minibatches > rows:
+            raise ValueError(
+                f"algo.minibatches={self.algo.minibatches} is more than the {rows} trajectories "
+                "of a step (rollout.tasks_per_step x rollout.group_size): some minibatches "
+                "would be empty"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _in_backward_alone(self) -> TrainConfig:
+        if self.algo.recompute_mlp and self.distributed.mode == "fsdp":
+            raise ValueError("algo.recompute_mlp with distributed.mode=fsdp is not built")
+        if self.algo.optimizer_in_backward and self.distributed.mode != "none":
+            raise ValueError(
+                f"algo.optimizer_in_backward with distributed.mode={self.distributed.mode} is "
+                "not built: DDP and FSDP reduce gradients after backward, not one by one"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _engine_fits_episodes(self) -> TrainConfig:
+        _check_engine_length(self.rollout.backend, self.rollout.max_context_tokens, "rollout.")
+        return self
+
+    @model_validator(mode="after")
+    def _async_needs_workers(self) -> TrainConfig:
+        ray = self.rollout.workers.type == "ray"
+        if self.algo.max_staleness > 0 and not ray:
+            raise ValueError(
+                f"algo.max_staleness={self.algo.max_staleness} samples ahead of the trainer, "
+                "which needs rollout workers: set rollout.workers={type: ray}"
+            )
+        if ray and self.algo.dynamic_sampling:
+            raise ValueError("algo.dynamic_sampling with rollout.workers.type=ray is not built")
+        if ray and self.model.lora is not None:
+            raise ValueError("model.lora with rollout.workers.type=ray is not built")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_in_one_process(self) -> TrainConfig:
+        if self.model.lora is not None and self.distributed.mode != "none":
+            raise ValueError(
+                f"model.lora with distributed.mode={self.distributed.mode} is not built: train "
+                "LoRA in one process (distributed.mode=none)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _trainable_backend(self) -> TrainConfig:
+        if isinstance(self.rollout.backend, OpenAIBackendConfig):
+            raise ValueError(
+                "rollout.backend.type=openai cannot receive the trainer's weights after each "
+                "step; train with hf or vllm, and use openai with `agent-grpo eval`"
+            )
+        return self
+
+
+def _check_engine_length(backend: BackendConfig, longest: int, prefix: str) -> None:
+    """A vLLM engine shorter than the job's longest episode would refuse episodes mid-run."""
+    if isinstance(backend, VLLMBackendConfig) and (backend.max_model_len or longest) < longest:
+        raise ValueError(
+            f"{prefix}backend.max_model_len={backend.max_model_len} is shorter than "
+            f"{prefix}max_context_tokens={longest}: the engine would refuse such episodes "
+            "mid-run; raise it, or leave it unset to follow max_context_tokens"
+        )
+
+
+class EvalRunConfig(ConfigModel):
+    """`agent-grpo eval`: evaluate a model on an environment's held-out seeds."""
+
+    seed: int = 0
+    """Seed for sampling."""
+    model: ModelConfig = ModelConfig()
+    """Model to evaluate (a checkpoint directory works)."""
+    env: EnvConfig = EnvConfig()
+    """Environment."""
+    backend: BackendConfig = HFBackendConfig()
+    """Generation engine."""
+    max_context_tokens: int = 1024
+    """Longest episode in tokens."""
+    eval: EvalConfig = EvalConfig()
+    """What to evaluate."""
+    run: RunConfig = RunConfig(name="eval")
+    """Output location."""
+
+    @model_validator(mode="after")
+    def _engine_fits_episodes(self) -> EvalRunConfig:
+        _check_engine_length(self.backend, self.max_context_tokens, "")
+        return self

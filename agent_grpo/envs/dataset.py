@@ -1,0 +1,129 @@
+"""Dataset-v0: tasks from the rows of a dataset of prompts and reference answers.
+
+Rows come from a Hugging Face `datasets` dataset (local JSONL, Parquet or CSV files, or a hub id),
+with the columns, splits and verifier named in `env.kwargs` (`DatasetEnvConfig`; a wrong name is
+a one-line error naming what there is). Without kwargs it is the shipped arithmetic word problems.
+
+A training seed picks a row of the train split with the seed's generator. Held-out seeds walk the
+held-out split in order (`heldout_seeds(n)` is its first `n` rows, each once), so `eval.tasks`
+set to the split's size evaluates all of it. The scripted expert answers with the reference: it
+demonstrates the answer format, not a way to reach it (a regex reference has no expert).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from pydantic import Field, ValidationError
+
+from agent_grpo.envs.answers import exact_verdict, text_verdict
+from agent_grpo.envs.dataset_rows import DatasetSource, DatasetTask, load_tasks
+from agent_grpo.envs.math_verdicts import math_verdict, regex_verdict
+from agent_grpo.envs.text_env import HELDOUT_SEEDS, ToolEnv, Verdict
+from agent_grpo.tools.tool import Tool
+
+__all__ = ["TOOLS", "DatasetEnv", "DatasetEnvConfig"]
+
+TOOLS = {
+    "calculator": "agent_grpo.tools.calculator:calculator",
+    "python": "agent_grpo.tools.python:python",
+}
+"""Tools `tools:` may name; any other entry is a `module:attribute` path to a `Tool`."""
+_VERIFIERS: dict[str, Callable[[str, str], Verdict]] = {
+    "exact": exact_verdict,
+    "text": text_verdict,
+    "regex": regex_verdict,
+}
+_TOOL_ENV_KWARGS = set(inspect.signature(ToolEnv.__init__).parameters) - {"self"}
+
+
+class DatasetEnvConfig(DatasetSource):
+    """Dataset-v0's kwargs: where the rows come from (`DatasetSource`), the tools and prompt."""
+
+    tools: list[str] = []
+    """Tools the model may call: `calculator`, `python`, or `module:attribute` paths."""
+    system_prompt: str = (
+        "Solve the problem. End your reply with the final answer on its own line as: "
+        "Answer: <answer>"
+    )
+    """The system message (the tool list is appended when there are tools)."""
+    math_timeout_s: int = Field(default=5, ge=1)
+    """math-verify's timeout for each parse and comparison (whole seconds: it uses SIGALRM)."""
+
+
+def _config(kwargs: dict[str, Any]) -> DatasetEnvConfig:
+    """Validate the kwargs, with every problem (and, for an unknown one, the known ones) on one
+    line."""
+    try:
+        config = DatasetEnvConfig.model_validate(kwargs)
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        if any(e["type"] == "extra_forbidden" for e in error.errors()):
+            known = sorted({*DatasetEnvConfig.model_fields, *_TOOL_ENV_KWARGS})
+            problems += f" (known: {', '.join(known)})"
+        raise ValueError(f"Dataset-v0 kwargs: {problems}") from None
+    if config.expert_call and config.expert_call.tool not in config.tools:
+        raise ValueError(f"expert_call tool {config.expert_call.tool!r} is not in tools")
+    return config
+
+
+def _tool(name: str) -> Tool:
+    module, _, attribute = TOOLS.get(name, name).partition(":")
+    if not attribute:
+        raise ValueError(f"unknown tool {name!r}: use {', '.join(TOOLS)} or module:attribute")
+    found = getattr(importlib.import_module(module), attribute)
+    if not isinstance(found, Tool):
+        raise ValueError(f"{name!r} is not a Tool (decorate it with @tool)")
+    return found
+
+
+class DatasetEnv(ToolEnv[DatasetTask]):
+    """Answer a dataset row's prompt; the verifier compares with the row's reference answer."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        base = {k: kwargs.pop(k) for k in list(kwargs) if k in _TOOL_ENV_KWARGS}
+        super().__init__(**base)
+        self.config = _config(kwargs)
+        if self.config.verifier == "math" and importlib.util.find_spec("math_verify") is None:
+            raise ImportError("verifier math needs math-verify: pip install 'agent-grpo[datasets]'")
+        self.tasks = load_tasks(self.config)
+        self.tools = [_tool(name) for name in self.config.tools]
+        self.system_prompt = self.config.system_prompt
+
+    def render_system_prompt(self) -> str:
+        """The system prompt, and the tool list when there are tools."""
+        return super().render_system_prompt() if self.tools else self.system_prompt
+
+    def generate_task(self, rng: np.random.Generator) -> DatasetTask:
+        """A random training row, or the held-out row at this seed's place in `HELDOUT_SEEDS`."""
+        rows = self.tasks[self.split]
+        if self.split == "heldout":
+            return rows[(self.task_seed - HELDOUT_SEEDS.start) % len(rows)]
+        return rows[int(rng.integers(len(rows)))]
+
+    def user_prompt(self, task: DatasetTask) -> str:
+        """The row's prompt, as it is."""
+        return task.prompt
+
+    def verify(self, task: DatasetTask, answer: str) -> Verdict:
+        """The configured verifier on the `Answer:` line against the row's reference."""
+        if self.config.verifier == "math":
+            return math_verdict(answer, task.answer, self.config.math_timeout_s)
+        return _VERIFIERS[self.config.verifier](answer, task.answer)
+
+    def expert_action(self) -> str:
+        """Make the `expert_call` once if there is one, then answer with the reference (there is
+        none to give for a regex)."""
+        assert self.task is not None
+        if self.config.verifier == "regex":
+            raise NotImplementedError("Dataset-v0 has no expert for regex references")
+        call = self.config.expert_call
+        name = _tool(call.tool).name if call else None
+        if name and not any(c.name == name and c.error is None for c in self.tool_calls):
+            return self.call(name, **self.task.expert_arguments)
+        return f"Answer: {self.task.answer}"

@@ -1,0 +1,176 @@
+"""Where a step's rollouts come from: the trainer's own engine, or Ray rollout workers that
+sample up to `algo.max_staleness` policy versions ahead of the trainer (asynchronous GRPO).
+
+`LocalRollouts` and `RayRollouts` have one interface: `collect(step, version)` returns the
+step's scored records, `push(model, version)` hands the engines the weights of policy `version`
+(the number of optimizer steps taken; 0 is the policy GRPO starts from).
+
+Asynchrony, and its bound. With `max_staleness = k`, the step-s collection is submitted when the
+trainer starts step s - k, right after the weights of version s - k were pushed; a Ray actor
+runs one call at a time in order, so those groups are sampled with version s - k (or newer, when
+a dead worker's block is re-sent) and trained at version s: staleness at most k by construction.
+Whole groups go to one worker and every record carries its sampling version; a group older than
+k is dropped and counted all the same. k = 0 is synchronous: a step's groups are submitted only
+after the previous update reached every worker, and the run equals the local path's.
+
+Where we depart from common practice: AReaL, verl `fully_async` and SkyRL stream single
+trajectories and may interrupt a generation for a weight update (partial rollouts); we keep
+whole collections per version, which is simpler and keeps every group on one policy, at the cost
+of some idle time at the end of a collection. Weights go through Ray's object store (one put,
+many gets); on a GPU cluster a NCCL broadcast group does this instead (docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+import torch
+
+from agent_grpo.config.jobs import TrainConfig
+from agent_grpo.logs import get_logger
+from agent_grpo.rollout.backends.base import GenerationBackend
+from agent_grpo.rollout.collector import RolloutResult
+from agent_grpo.rollout.config import RayWorkers
+from agent_grpo.rollout.step import collect, collector_config, score, step_tasks
+
+__all__ = ["LocalRollouts", "RayRollouts", "RolloutSource", "build_rollouts", "staleness"]
+
+log = get_logger("train")
+
+
+class RolloutSource(Protocol):
+    """What the loop asks for a step's rollouts."""
+
+    def collect(self, step: int, version: int) -> RolloutResult:
+        """The step's scored groups, sampled by policy `version` or (async) older ones."""
+        ...
+
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        """The weights of policy `version`, to every engine that samples."""
+        ...
+
+    def close(self) -> None:
+        """Release the workers."""
+        ...
+
+
+def staleness(result: RolloutResult, version: int) -> dict[int, int]:
+    """Histogram {staleness: records} of `result` trained at policy `version`."""
+    out: dict[int, int] = {}
+    for record in result.records:
+        age = version - record.policy_version
+        out[age] = out.get(age, 0) + 1
+    return dict(sorted(out.items()))
+
+
+class LocalRollouts:
+    """Rollouts on the trainer's engine, synchronous (today's default path)."""
+
+    def __init__(
+        self, config: TrainConfig, backend: GenerationBackend, tokenizer: Any, stop: list[str]
+    ) -> None:
+        self.config, self.backend, self.tokenizer, self.stop = config, backend, tokenizer, stop
+
+    def collect(self, step: int, version: int) -> RolloutResult:
+        """`train.rollout.collect`, each record tagged with `version`; then the engine frees its
+        caches."""
+        result = collect(self.config, self.backend, self.tokenizer, self.stop, step)
+        # Its caches are of the weights the update is about to change: let the update use that
+        # memory (the `hf` loop's packed weights and prefix KV).
+        self.backend.free_caches()
+        for record in result.records:
+            record.policy_version = version
+        return result
+
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        """Nothing here: `trainer.push_weights` already updated the trainer's own engine."""
+
+    def close(self) -> None:
+        """The engine is the trainer's to close."""
+
+
+class RayRollouts:
+    """Rollouts on Ray actors (`rollout.workers`), up to `algo.max_staleness` steps ahead."""
+
+    def __init__(self, config: TrainConfig, pool: Any, started_ray: bool = False) -> None:
+        """Around a `RayRolloutPool` (or anything with its submit / wait / update_weights /
+        close); `started`: this process started Ray and shuts it down on `close`."""
+        self.config, self.k, self.pool, self.started_ray = (
+            config, config.algo.max_staleness, pool, started_ray,
+        )  # fmt: skip
+        self.pending: dict[int, Any] = {}
+        self.submitted = -1
+
+    @classmethod
+    def start(cls, config: TrainConfig, model_path: str, stop: list[str]) -> RayRollouts:
+        """Join the configured Ray cluster (or start a local instance) and start the actors."""
+        import ray
+
+        from agent_grpo.rollout.ray_pool import RayRolloutPool
+
+        workers = config.rollout.workers
+        assert isinstance(workers, RayWorkers)
+        started = not ray.is_initialized()
+        if started:
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            if workers.address:
+                ray.init(address=workers.address, log_to_driver=False)
+            else:  # a private local instance, sized to the workers
+                ray.init(num_cpus=max(2, workers.num_workers), include_dashboard=False,
+                         log_to_driver=False)  # fmt: skip
+        pool = RayRolloutPool(
+            workers.num_workers, model_path, config.rollout.backend,
+            collector_config(config, stop), num_cpus_per_worker=workers.num_cpus_per_worker,
+            num_gpus_per_worker=workers.num_gpus_per_worker,
+        )  # fmt: skip
+        return cls(config, pool, started)
+
+    def _submit_through(self, last: int) -> None:
+        """Submit every step up to `last`. Synchronous, a step is split over all workers;
+        asynchronous, whole steps go to the workers in turn, so the k steps in flight sample
+        at once on different actors (each actor runs one collection at a time)."""
+        for step in range(self.submitted + 1, min(last, self.config.steps - 1) + 1):
+            workers = None if self.k == 0 else [step]
+            self.pending[step] = self.pool.submit(step_tasks(self.config, step), step,
+                                                  self.config.run.name, workers)  # fmt: skip
+            self.submitted = step
+
+    def collect(self, step: int, version: int) -> RolloutResult:
+        """The step's groups (submitting the next `k` steps' first), scored; groups sampled
+        more than `k` versions ago are dropped and counted in `metrics.stale_dropped`."""
+        self.submitted = max(self.submitted, step - 1)  # a resumed run starts submitting here
+        self._submit_through(step + self.k)
+        result = score(self.config, self.pool.wait(self.pending.pop(step)))
+        fresh = [r for r in result.records if version - r.policy_version <= self.k]
+        dropped = len(result.records) - len(fresh)
+        if dropped:
+            log.warning("step %d: dropped %d records sampled more than %d versions ago",
+                        step, dropped, self.k)  # fmt: skip
+        if not fresh:
+            raise RuntimeError(f"step {step}: every group was staler than {self.k} versions")
+        result.records = fresh
+        result.metrics.stale_dropped = dropped
+        return result
+
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        """One object-store copy of the weights, loaded by every actor after its queued work."""
+        self.pool.update_weights(model.state_dict(), version)
+
+    def close(self) -> None:
+        """End the actors (and the local Ray instance this started)."""
+        self.pool.close()
+        if self.started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def build_rollouts(
+    config: TrainConfig, backend: GenerationBackend, tokenizer: Any, stop: list[str],
+    model_path: str,
+) -> RolloutSource:  # fmt: skip
+    """The rollout source `rollout.workers` asks for."""
+    if isinstance(config.rollout.workers, RayWorkers):
+        return RayRollouts.start(config, model_path, stop)
+    return LocalRollouts(config, backend, tokenizer, stop)

@@ -1,0 +1,117 @@
+"""A training step's rollout and reward: the step's tasks, G samples each, every reward source,
+and the episodes that must not count marked as such.
+
+DAPO's dynamic sampling is the one variant here (`top_up_live_groups`): it decides which groups
+are dead on the *total* reward, after every extra source, since that is what the advantage uses.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from agent_grpo.config.jobs import TrainConfig
+from agent_grpo.envs.text_env import train_seeds
+from agent_grpo.rewards import apply_rewards, build_reward_fn
+from agent_grpo.rollout.backends.base import GenerationBackend
+from agent_grpo.rollout.collector import RolloutResult, Task, collect_groups
+from agent_grpo.rollout.config import RolloutConfig
+from agent_grpo.trainer.metrics import dead_group_mask
+from agent_grpo.trajectory.record import TrajectoryRecord
+
+__all__ = [
+    "collect",
+    "collector_config",
+    "mark_excluded",
+    "score",
+    "step_tasks",
+    "top_up_live_groups",
+]
+
+
+def step_tasks(config: TrainConfig, step: int, round_: int = 0) -> list[Task]:
+    """The tasks of one step (and dynamic-sampling round): a pure function of (seed, step,
+    round), so a resumed run sees the same."""
+    key = f"{config.seed}/{step}" + (f"/extra{round_}" if round_ else "")
+    seeds = train_seeds(config.rollout.tasks_per_step, random.Random(key))
+    return [Task(env_id=config.env.id, seed=s, env_kwargs=config.env.kwargs) for s in seeds]
+
+
+def mark_excluded(records: Sequence[TrajectoryRecord]) -> None:
+    """Set `excluded` on episodes that must stay out of their group's statistics and the loss:
+    infrastructure failures (their reward says nothing about the policy) and non-finite rewards
+    (they would turn the group's advantages, and then the weights, into NaN)."""
+    for record in records:
+        if record.termination.kind == "error":
+            record.excluded = f"infrastructure failure: {record.termination.reason}"
+        elif not math.isfinite(record.reward):
+            parts = ", ".join(f"{k}={v!r}" for k, v in record.reward_components.items())
+            record.excluded = f"non-finite reward {record.reward!r} ({parts})"
+
+
+def _sample(
+    config: TrainConfig,
+    backend: GenerationBackend,
+    tokenizer: Any,
+    collector: RolloutConfig,
+    tasks: list[Task],
+    step_id: int,
+) -> RolloutResult:
+    """Collect groups for `tasks`, score them with every reward source, mark exclusions."""
+    result = collect_groups(tasks, backend, tokenizer, collector, step=step_id,
+                            run_id=config.run.name)  # fmt: skip
+    return score(config, result)
+
+
+def score(config: TrainConfig, result: RolloutResult) -> RolloutResult:
+    """Score `result`'s records with every reward source and mark the exclusions (in place)."""
+    apply_rewards(result.records, [(c, build_reward_fn(c)) for c in config.rewards])
+    mark_excluded(result.records)
+    return result
+
+
+def collector_config(config: TrainConfig, stop: list[str]) -> RolloutConfig:
+    """The rollout config the collector gets: the env's stop strings unless the config names
+    some, and no progress bar of its own (the run's display shows the rollout phase)."""
+    sampling = config.rollout.sampling.model_copy(
+        update={"stop": config.rollout.sampling.stop or stop}
+    )
+    return config.rollout.model_copy(update={"sampling": sampling, "progress": False})
+
+
+def collect(
+    config: TrainConfig, backend: GenerationBackend, tokenizer: Any, stop: list[str], step: int
+) -> RolloutResult:
+    """Sample and reward this step's groups; with dynamic sampling, top up until groups carry
+    signal."""
+    collector = collector_config(config, stop)
+    result = _sample(config, backend, tokenizer, collector, step_tasks(config, step), step)
+    if not config.algo.dynamic_sampling:
+        return result
+    return top_up_live_groups(config, result, lambda round_: _sample(
+        config, backend, tokenizer, collector, step_tasks(config, step, round_),
+        step * 1000 + round_,
+    ))  # fmt: skip
+
+
+def _live(records: Sequence[TrajectoryRecord]) -> list[TrajectoryRecord]:
+    dead = dead_group_mask(records)
+    return [r for r, d in zip(records, dead, strict=True) if not d]
+
+
+def top_up_live_groups(
+    config: TrainConfig, result: RolloutResult, sample_round: Any
+) -> RolloutResult:
+    """DAPO dynamic sampling: drop dead groups and sample fresh tasks (`sample_round(k)` for
+    round k = 1, 2, ...) to refill the batch. All dead after the last round: the batch is kept
+    as sampled (it trains on nothing but its KL term) rather than failing the step."""
+    want = config.rollout.tasks_per_step * config.rollout.group_size
+    live = _live(result.records)
+    for round_ in range(1, config.algo.dynamic_sampling_max_rounds + 1):
+        if len(live) >= want:
+            break
+        live += _live(sample_round(round_).records)
+    records = live[:want] or result.records
+    return RolloutResult(records=records, metrics=result.metrics)

@@ -1,0 +1,172 @@
+"""Trajectory records -> padded tensors, and micro-batches sized by token count.
+
+Position `t` of every per-token tensor refers to token `t` of the sequence: `loss_mask[b, t]` is
+true when token t was sampled by the policy, and the trainer's logprob at t is that of token t
+given tokens < t. Missing logprobs are NaN in tensors, and every consumer masks before reducing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
+
+__all__ = [
+    "PackedBatch",
+    "micro_batches",
+    "micro_batches_by_tokens",
+    "pack_records",
+    "rows_with_loss",
+]
+
+
+@dataclass
+class PackedBatch:
+    """Right-padded tensors for a list of trajectory records."""
+
+    input_ids: torch.Tensor  # [B, T] long, pad_id past each sequence
+    attention_mask: torch.Tensor  # [B, T] long, 1 on real tokens
+    loss_mask: torch.Tensor  # [B, T] bool, True exactly on model tokens
+    sampler_logprobs: torch.Tensor  # [B, T] float, NaN where the sampler gave none
+    advantages: torch.Tensor  # [B] float
+    group_index: torch.Tensor  # [B] long, rows of one GRPO group share a value
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Tokens that enter the loss."""
+        return int(self.loss_mask.sum())
+
+    def to(self, device: torch.device) -> PackedBatch:
+        """The same batch on `device` (itself when it is already there)."""
+        if self.input_ids.device == device:
+            return self
+        return PackedBatch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.loss_mask.to(device),
+            self.sampler_logprobs.to(device),
+            self.advantages.to(device),
+            self.group_index.to(device),
+        )
+
+    def select(self, rows: Sequence[int]) -> PackedBatch:
+        """The sub-batch of `rows`, trimmed to its own longest sequence."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        width = int(self.attention_mask[index].sum(dim=1).max())
+        return PackedBatch(
+            self.input_ids[index, :width],
+            self.attention_mask[index, :width],
+            self.loss_mask[index, :width],
+            self.sampler_logprobs[index, :width],
+            self.advantages[index],
+            self.group_index[index],
+        )
+
+
+def _logprob_row(values: list[float | None]) -> list[float]:
+    return [float("nan") if v is None else v for v in values]
+
+
+def pack_records(
+    records: Sequence[TrajectoryRecord], pad_id: int, advantages: Sequence[float] | None = None
+) -> PackedBatch:
+    """Pad records on the right into one batch (advantages default to the records' own)."""
+    width = max(len(r.token_ids) for r in records)
+    batch = len(records)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)  # [B, T]
+    attention = torch.zeros((batch, width), dtype=torch.long)  # [B, T]
+    loss_mask = torch.zeros((batch, width), dtype=torch.bool)  # [B, T]
+    sampler = torch.full((batch, width), float("nan"))  # [B, T]
+    for b, record in enumerate(records):
+        n = len(record.token_ids)
+        input_ids[b, :n] = torch.tensor(record.token_ids)
+        attention[b, :n] = 1
+        loss_mask[b, :n] = torch.tensor([p is Provenance.MODEL for p in record.provenance])
+        sampler[b, :n] = torch.tensor(_logprob_row(record.sampler_logprobs))
+    values = advantages if advantages is not None else [r.advantage or 0.0 for r in records]
+    codes: dict[str, int] = {}
+    groups = torch.tensor([codes.setdefault(r.group_id, len(codes)) for r in records])  # [B]
+    return PackedBatch(input_ids, attention, loss_mask, sampler, torch.tensor(list(values)), groups)
+
+
+def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Split row indices, in order, into groups whose padded size (rows x longest) fits.
+
+    A single sequence longer than `max_tokens` gets a micro-batch of its own.
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if current and max(longest, n) * (len(current) + 1) > max_tokens:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def micro_batches(
+    batch: PackedBatch,
+    max_tokens: int,
+    *,
+    by_group: bool,
+    rows: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """Row groups for forward passes, token-sized (padded rows x longest <= `max_tokens`); with
+    `by_group`, whole GRPO groups share a micro-batch while they fit, and a group is never split
+    unless it alone is too large.
+
+    Only `rows` (default: all) are placed. Keeping a group together lets its members share one
+    pass over their common prompt (`shared_prefix_token_logprobs`, which runs the prefixes of
+    every group in a micro-batch together). Fewer, larger micro-batches mean fewer backward
+    passes per optimizer step (each accumulates every parameter's gradient once) and larger
+    matmuls; `algo.optimizer_in_backward` holds no whole-model gradient only when a minibatch is
+    one micro-batch.
+    """
+    wanted = list(range(batch.input_ids.shape[0])) if rows is None else list(rows)
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    if not by_group:
+        parts = micro_batches_by_tokens([lengths[r] for r in wanted], max_tokens)
+        return [[wanted[i] for i in part] for part in parts]
+    buckets: dict[int, list[int]] = {}
+    for row in wanted:
+        buckets.setdefault(int(batch.group_index[row]), []).append(row)
+    out: list[list[int]] = []
+    current: list[int] = []
+    for members in buckets.values():
+        together = current + members
+        if max(lengths[r] for r in together) * len(together) <= max_tokens:
+            current = together
+            continue
+        if current:
+            out.append(current)
+        current = members
+        if max(lengths[r] for r in members) * len(members) > max_tokens:  # split it alone
+            parts = micro_batches_by_tokens([lengths[r] for r in members], max_tokens)
+            out.extend([members[i] for i in part] for part in parts)
+            current = []
+    if current:
+        out.append(current)
+    return out
+
+
+def rows_with_loss(
+    batch: PackedBatch, *, skip_zero_advantage: bool, rows: Sequence[int] | None = None
+) -> list[int]:
+    """The `rows` (default: all) whose loss can be non-zero: rows with a model token, and with
+    `skip_zero_advantage` (only valid when beta = 0) only those with a non-zero advantage.
+
+    A skipped zero-advantage row adds exactly 0 to the loss and the gradient; its tokens still
+    count in the denominator, so skipping its forward pass changes only the cost.
+    """
+    keep = batch.loss_mask.any(dim=1)  # [B]
+    if skip_zero_advantage:
+        keep &= batch.advantages != 0
+    wanted = range(batch.input_ids.shape[0]) if rows is None else rows
+    return [r for r in wanted if keep[r]]
