@@ -25,6 +25,7 @@ from typing import Any
 from record import add_common_flags, bench_run, print_table, set_threads
 
 from agent_grpo.envs.text_env import TextEnv, TurnOutcome
+from agent_grpo.testing.reward_rules import reward_override
 
 MODES = (0, 1, 2)
 
@@ -67,7 +68,7 @@ def run_mode(root: Path, model_dir: str, k: int, args: argparse.Namespace) -> di
     from agent_grpo.config.jobs import TrainConfig
     from agent_grpo.trainer.loop import train
 
-    rule = "rewards=[{type: rule, name: even, function: 'knob_rules:even_tokens'}]"
+    rule = reward_override("even", "even_tokens")
     overrides = [
         f"model.name_or_path={model_dir}", f"run.root={root}", f"run.name=k{k}",
         f"steps={args.steps}", "eval=null", "warm_start=null", "run.tensorboard=false",
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     set_threads(args.threads)
     import ray
 
-    from agent_grpo.models.loading import save_tiny_model
+    from agent_grpo.testing.tiny_model import save_tiny_model
 
     here, tests = Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent / "tests"
     sys.path[:0] = [str(here), str(tests)]

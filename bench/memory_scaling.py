@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def load(kind: str) -> PreTrainedModel:
     """The tiny test model (seeded) or the embedded SmolLM2-135M-Instruct, in train mode."""
-    from agent_grpo.models.loading import build_tiny_model, load_model
+    from agent_grpo.models.loading import load_model
+    from agent_grpo.testing.tiny_model import build_tiny_model
 
     model = build_tiny_model()[0] if kind == "tiny" else load_model("smollm2-135m-instruct")
     return model.train()

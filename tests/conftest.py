@@ -23,11 +23,10 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 from agent_grpo.models.loading import (
     DEFAULT_MODEL,
     ModelNotFoundError,
-    build_tiny_model,
     load_tokenizer,
     resolve_model_path,
-    save_tiny_model,
 )
+from agent_grpo.testing.tiny_model import build_tiny_model, save_tiny_model
 
 if "OMP_NUM_THREADS" not in os.environ:
     # Test models are tiny; on a small shared CI box, intra-op threads fight each other and a

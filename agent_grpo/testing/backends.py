@@ -1,0 +1,61 @@
+"""A generation backend that answers from a fixed script, for rollout tests without a model."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from agent_grpo.rollout.backends.base import Generation, SamplingConfig
+
+__all__ = ["ScriptedBackend"]
+
+
+class ScriptedBackend:
+    """Answers turn k of every prompt with `script[k]` (k = assistant turns already taken; the
+    last entry repeats), cut at `max_tokens` (finish `length`), else finish `stop`."""
+
+    def __init__(
+        self, tokenizer: Any, script: list[str], *, eos: bool = True, logprob: float = -0.5
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.script = script
+        self.eos = eos
+        """Append EOS to a turn that stopped; False ends it as a stop string does (no EOS
+        sampled: the chat template closes the turn)."""
+        self.logprob = logprob
+        """The sampler logprob reported for every generated token."""
+        self.calls: list[int] = []
+        """The batch size of every `generate` call."""
+        self.assistant = tokenizer.encode("<|im_start|>assistant", add_special_tokens=False)
+
+    def _turn(self, prompt: list[int]) -> int:
+        n = len(self.assistant)
+        starts = sum(prompt[i : i + n] == self.assistant for i in range(len(prompt) - n + 1))
+        return starts - 1
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]
+    ) -> list[Generation]:
+        """One scripted turn per prompt."""
+        self.calls.append(len(prompts))
+        out = []
+        for prompt in prompts:
+            text = self.script[min(self._turn(prompt), len(self.script) - 1)]
+            ids = self.tokenizer.encode(text, add_special_tokens=False)[: sampling.max_tokens]
+            finish: Literal["stop", "length"] = (
+                "length" if len(ids) == sampling.max_tokens else "stop"
+            )
+            if self.eos and finish == "stop":
+                ids = [*ids, self.tokenizer.eos_token_id]
+            out.append(Generation(ids, [self.logprob] * len(ids), finish, text))
+        return out
+
+    def update_weights(self, model: torch.nn.Module) -> None:
+        """Nothing to update."""
+
+    def free_caches(self) -> None:
+        """Nothing cached."""
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,73 @@
+"""Running the CLI in tests: `agent-grpo` as a subprocess, the replay/inspect parsers in-process,
+and reading the metrics a run wrote."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from agent_grpo.inspect.curves import add_inspect_parser
+from agent_grpo.inspect.replay import add_replay_parser
+
+__all__ = ["RULE", "RULE_REWARD", "agent_grpo", "deterministic", "inspect_cli", "metrics"]
+
+TIMING_KEYS = ("time", "per_s")
+
+RULE = """
+def even_tokens(record):
+    ids = [t for t, p in zip(record.token_ids, record.provenance) if p == "model"]
+    return sum(t % 2 == 0 for t in ids) / max(1, len(ids))
+"""
+"""A reward rule written beside the run (`e2e_rules.py`), so a subprocess imports it from cwd."""
+# A random tiny model never solves a task: this rule gives each group reward variance.
+RULE_REWARD = 'rewards=[{type: rule, name: even, function: "e2e_rules:even_tokens"}]'
+"""The config override that rewards with `RULE`."""
+
+
+def agent_grpo(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run `agent-grpo ARGS` in a fresh interpreter, failing the test with its output."""
+    (cwd / "e2e_rules.py").write_text(RULE)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "COLUMNS": "160",
+        "PYTHONPATH": str(cwd),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "agent_grpo.cli", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, (
+        f"agent-grpo {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    )
+    return done
+
+
+def metrics(run: Path) -> list[dict[str, float]]:
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(row: dict[str, float]) -> dict[str, float]:
+    """A metrics row without wall-clock figures (and without metrics that do not apply, None:
+    `kl_ref` with beta = 0)."""
+    return {k: v for k, v in row.items() if v is not None and not any(t in k for t in TIMING_KEYS)}
+
+
+def inspect_cli(argv: list[str]) -> int:
+    """Run `agent-grpo replay|inspect ARGV` in-process (no logging setup) and return its code."""
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_replay_parser(sub)
+    add_inspect_parser(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args))

