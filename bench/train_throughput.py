@@ -448,8 +448,9 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
              "--seed", str(args.seed), "--algo", args.algo]  # fmt: skip
     env = child_env(args.threads)
     # glibc's own allocator settings, as a user runs: the low mmap threshold `child_env` sets for
-    # exact memory windows makes every large tensor a fresh mmap, and measured here it slowed
-    # the update 1.8x (page faults); peak RSS is what a user's process really reaches
+    # exact memory windows makes every large tensor a fresh mmap, which slows the update through
+    # page faults (docs/benchmarks.md, "Low mmap threshold in the whole-step bench"); peak RSS is
+    # what a user's process really reaches
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     child = run_isolated(Path(__file__), flags, env=env, timeout_s=args.worker_timeout)
     if not child.ok:

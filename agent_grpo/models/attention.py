@@ -8,9 +8,9 @@ prefix). `sdpa_gqa`, registered with transformers' `AttentionInterface`, is its 
 one change: masked calls on CPU go to `scaled_dot_product_attention(..., enable_gqa=True)`, and
 every other call (no mask, another device, a position bias, a paged cache) to `sdpa` itself.
 
-Measured here (AMD EPYC, 2 threads, the embedded model, one process, alternating): a step's
-rollout of the issue-18 workload took 3.8-4.9 s against 4.6-5.3 s with `sdpa`, with the same
-tokens. The values are `sdpa`'s up to the kernel's reduction order.
+Skipping the copy makes an `hf` rollout faster with the same tokens (docs/benchmarks.md,
+"Grouped-query attention without the KV copy"). The values are `sdpa`'s up to the kernel's
+reduction order.
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ __all__ = ["http_request", "make_http_tools"]
 
 @cache
 def _tls_context() -> ssl.SSLContext:
-    # Building a verifying TLS context loads the CA bundle (~50 ms); httpx would do it for every
-    # new client, even for plain-HTTP URLs. Built once, shared by every call.
+    # Building a verifying TLS context loads the CA bundle, which is slow (docs/benchmarks.md,
+    # "Verifying TLS context"); httpx would do it for every new client, even for plain-HTTP URLs.
+    # Built once, shared by every call.
     return httpx.create_ssl_context()
 
 

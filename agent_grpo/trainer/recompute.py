@@ -1,11 +1,10 @@
 """Activation memory for compute: each decoder layer's MLP is recomputed in backward instead of
 keeping its four intermediate `[T, intermediate]` tensors (torch.utils.checkpoint).
 
-The training forward keeps about 18k floats per token per layer of a Llama-style block: counted
-with saved-tensor hooks on the 135M model in fp32, 2.1 MiB a token (1,952 MiB for a 920-token
-shared-prefix micro-batch), the update's largest transient by far (a 4096-token micro-batch
-keeps about 8 GiB). Recomputing the MLP (gate, up, their SiLU and product) halves that (997 MiB
-for the same micro-batch) for one extra MLP forward, 75% of a layer's forward FLOPs.
+The activations the training forward saves for backward are the update's largest transient by far,
+and they grow with the tokens of a micro-batch. Recomputing the MLP (gate, up, their SiLU and
+product) halves them for one extra MLP forward, most of a layer's forward FLOPs (the sizes,
+counted with saved-tensor hooks: docs/benchmarks.md, "Saved activations and MLP recompute").
 
 We depart from whole-layer checkpointing (Hugging Face's `gradient_checkpointing_enable`, verl,
 TRL) because the shared-prefix pass (agent_grpo/models/logprobs.py) runs the suffix on top of the

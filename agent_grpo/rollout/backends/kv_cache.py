@@ -7,9 +7,8 @@ token the call may sample; a step writes its slot in place and the layer exposes
 part as a view. What attention reads is the same tensor values as
 `DynamicLayer` would hand it, so outputs do not change (tests/test_hf_backend.py compares).
 
-Measured on the 135M model in fp32, 8 rows x 48 sampled tokens, 2 threads on this 2-core Xeon
-(median of 3 alternating runs): 102 -> 84 ms a decode step with an 84-token prompt, and
-1,286 -> 482 ms with a 2,190-token prompt, where the copies dominated.
+The copies grow with the context, so the saving is largest for long prompts, where they dominate
+a decode step (docs/benchmarks.md, "`hf` KV cache written in place").
 
 Only what the backend does with a cache is supported: update, the filled `keys`/`values`, and
 `batch_select_indices` when rows finish; `crop`, `reset`, `batch_repeat_interleave`, beam

@@ -17,7 +17,7 @@ Where we depart from the usual way of running vLLM for RL:
 - On CPU, vLLM's worker replaces `torch.set_num_threads` with a no-op (in-process, that also blocks
   vLLM's own drop to 1 serving thread), so the thread count must be chosen before the engine
   starts (`cpu_threads`); `close` puts the real function back. On a busy 2-core box, 1 thread
-  decodes ~5x faster than 2 (docs/backends.md).
+  decodes several times faster than 2 (docs/backends.md, "Threads").
 """
 
 from __future__ import annotations
