@@ -190,11 +190,6 @@ class ServiceThread:
         )
         self._thread.start()
 
-    @property
-    def running(self) -> bool:
-        """Whether the server thread is alive."""
-        return self._thread.is_alive()
-
     def stop(self) -> None:
         """Shut down, close the socket and join every thread (idempotent)."""
         if self._thread.is_alive():

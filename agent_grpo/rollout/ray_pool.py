@@ -263,10 +263,6 @@ class RayRolloutPool:
         shared = self._ray.put(cpu)
         self._pushes = [worker.update_weights.remote(shared, version) for worker in self.workers]
 
-    def sync(self) -> None:
-        """Wait until every worker has loaded the last `update_weights`."""
-        self._ray.get(getattr(self, "_pushes", []))
-
     def close(self) -> None:
         """Release every worker's backend and end the actors."""
         self._ray.get([worker.close.remote() for worker in self.workers])
