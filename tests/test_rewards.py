@@ -44,7 +44,7 @@ def brevity(r: TrajectoryRecord) -> float:
 
 
 def test_rule_and_weights_combine_and_every_component_is_kept() -> None:
-    config = RuleRewardConfig(name="brevity", function="test_rewards:brevity", weight=2.0)
+    config = RuleRewardConfig(name="brevity", function=f"{__name__}:brevity", weight=2.0)
     records = [record(1.0, "4"), record(0.0, "five hundred")]
     apply_rewards(records, [(config, build_reward_fn(config))])
     assert records[0].reward_components == {"verifier": 1.0, "brevity": -0.01}

@@ -128,7 +128,7 @@ class SlowEnv(ToolEnv[SlowTask]):
         return super().step(action)
 
 
-SLOW = "test_collector:SlowEnv"
+SLOW = f"{__name__}:SlowEnv"
 SLOW_CALL = '<tool_call>{"name": "slow", "arguments": {"seconds": 5}}</tool_call>'
 
 
@@ -183,7 +183,7 @@ class FlakyEnv(SlowEnv):
 def test_a_failed_env_step_is_retried_once_on_a_fresh_env(tokenizer) -> None:
     FlakyEnv.failures = 0
     backend = ScriptedBackend(tokenizer, [SLOW_CALL.replace("5", "0"), "Answer: done"])
-    tasks = [Task(env_id="test_collector:FlakyEnv", seed=0, env_kwargs={"flaky": True})]
+    tasks = [Task(env_id=f"{__name__}:FlakyEnv", seed=0, env_kwargs={"flaky": True})]
     config = CollectOptions.from_config(RolloutConfig(group_size=2))
     result = collect_groups(tasks, backend, tokenizer, config)
     # the member whose env raised in its second step finished like its group-mate, on a fresh

@@ -513,7 +513,7 @@ def test_a_prompt_that_fills_the_context_is_a_clear_error(tokenizer, shortfall: 
     message = str(caught.value)
     assert "agent_grpo/Calculator-v0" in message and "seed 5" in message
     assert f"{length} tokens" in message and f"max_context_tokens is {limit}" in message
-    assert backend.calls == 0  # nothing was sampled
+    assert backend.calls == []  # nothing was sampled
 
 
 def test_a_prompt_one_token_short_of_the_context_samples_one_token(tokenizer) -> None:

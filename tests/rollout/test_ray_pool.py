@@ -43,7 +43,7 @@ class ChatterEnv(TextEnv[int]):
         return TurnOutcome(observations=[reply])
 
 
-CHATTER = "test_ray_pool:ChatterEnv"
+CHATTER = f"{__name__}:ChatterEnv"
 TASKS = [
     Task(env_id=CHATTER, seed=1, env_kwargs={"max_turns": 3}),
     Task(env_id="agent_grpo/Calculator-v0", seed=12),

@@ -43,7 +43,7 @@ class BrokenVerifierEnv(ToolEnv[Riddle]):
         raise KeyError("expected_answer")
 
 
-BROKEN = "test_run_warnings:BrokenVerifierEnv"
+BROKEN = f"{__name__}:BrokenVerifierEnv"
 
 
 def test_a_raising_verifier_is_an_error_not_a_wrong_answer(tokenizer) -> None:
