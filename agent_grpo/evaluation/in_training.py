@@ -13,7 +13,6 @@ from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.evaluation.heldout import EvalResult, evaluate_heldout
 from agent_grpo.logs import get_logger
 from agent_grpo.rollout.backends.base import GenerationBackend
-from agent_grpo.trainer.checkpoint import TrainerState
 
 __all__ = ["print_summary", "run_eval"]
 
@@ -40,13 +39,15 @@ def run_eval(
     return result
 
 
-def print_summary(state: TrainerState, after: EvalResult | None) -> None:
-    """The before/after table."""
+def print_summary(
+    base: EvalResult | None, warm_start: EvalResult | None, final: EvalResult | None
+) -> None:
+    """The before/after table: the base model, after the warm start, after GRPO."""
     table = Table(title="held-out evaluation")
     table.add_column("model")
     for column in ("success", "pass@k", "reward", "tool calls", "turns", "tokens"):
         table.add_column(column, justify="right")
-    rows = [("base", state.eval_before), ("warm start", state.eval_warm_start), ("GRPO", after)]
+    rows = [("base", base), ("warm start", warm_start), ("GRPO", final)]
     for name, result in rows:
         if result is not None:
             s = result.summary

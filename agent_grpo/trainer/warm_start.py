@@ -21,7 +21,7 @@ from agent_grpo.envs.text_env import train_seeds
 from agent_grpo.models.logprobs import token_logprobs
 from agent_grpo.trainer.batch import micro_batches_by_tokens, pack_records
 from agent_grpo.trainer.optimizer import adamw
-from agent_grpo.trainer.parallel import autocast
+from agent_grpo.trainer.policy import autocast
 from agent_grpo.trajectory.record import Message, Termination, TrajectoryRecord, TurnRecord
 from agent_grpo.trajectory.tokens import TokenBuilder
 
