@@ -31,7 +31,7 @@ from agent_grpo.envs.registry import make_env
 from agent_grpo.envs.text_env import read_step_info, train_seeds
 from agent_grpo.models.loading import load_model, load_tokenizer
 from agent_grpo.rollout.backends.base import Generation, GenerationBackend, SamplingConfig
-from agent_grpo.rollout.collector import Task, collect_groups
+from agent_grpo.rollout.collector import CollectOptions, Task, collect_groups
 from agent_grpo.rollout.config import RolloutConfig
 
 __all__ = [
@@ -176,11 +176,12 @@ def replay_ceiling(model: PreTrainedModel, schedule: Schedule, seed: int = 0) ->
 def _collect(backend: GenerationBackend, tokenizer: Any, spec: RolloutSpec, env_id: str) -> dict:
     """One timed `collect_groups` over the spec's tasks; its metrics and replayable schedule."""
     traced = TracingBackend(backend)
-    config = RolloutConfig(
-        group_size=spec.group_size,
-        max_context_tokens=spec.max_context,
-        sampling=spec.sampling(env_id),
-        progress=False,
+    config = CollectOptions.from_config(
+        RolloutConfig(
+            group_size=spec.group_size,
+            max_context_tokens=spec.max_context,
+            sampling=spec.sampling(env_id),
+        )
     )
     result = collect_groups(spec.task_list(env_id), traced, tokenizer, config)
     m = result.metrics

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -27,6 +27,10 @@ class ConfigModel(BaseModel):
         validate_default=True,
         protected_namespaces=(),
     )
+
+    retired_keys: ClassVar[dict[str, str]] = {}
+    """Dotted keys this config no longer takes -> what to do instead: a config that still sets
+    one fails with that message, not with a bare "extra inputs are not permitted"."""
 
 
 C = TypeVar("C", bound=ConfigModel)
@@ -83,10 +87,23 @@ def _describe(error: ValidationError, source: str) -> str:
 
 def validate_config(cls: type[C], data: dict[str, Any], source: str = "<dict>") -> C:
     """Validate a plain dict into `cls`, raising ConfigError naming `source` and each bad key."""
+    for key, instead in cls.retired_keys.items():
+        if _has_key(data, key):
+            raise ConfigError(f"invalid config {source}: {key} was removed: {instead}")
     try:
         return cls.model_validate(data)
     except ValidationError as error:
         raise ConfigError(_describe(error, source)) from None
+
+
+def _has_key(data: dict[str, Any], dotted: str) -> bool:
+    """Whether the nested mapping `data` sets the dotted key."""
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        data = data.get(part)  # type: ignore[assignment]
+        if not isinstance(data, dict):
+            return False
+    return leaf in data
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:

@@ -6,7 +6,7 @@ the generation backend (`hf`, `vllm`, `openai`) and each extra reward source.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -126,6 +126,13 @@ class RunConfig(ConfigModel):
 
 class TrainConfig(ConfigModel):
     """`agent-grpo train`: base eval -> warm start -> GRPO -> final eval."""
+
+    retired_keys: ClassVar[dict[str, str]] = {
+        "rollout.progress": "it did nothing in training (the run's display shows each phase); "
+        "delete the key",
+        "rollout.check_invariants": "the token invariants are always checked (their cost is "
+        "small next to sampling); delete the key",
+    }
 
     seed: int = 0
     """Seed for task sampling, sampling and initialisation."""

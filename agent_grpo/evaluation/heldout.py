@@ -11,8 +11,7 @@ from pydantic import BaseModel
 from agent_grpo.envs.registry import make_env
 from agent_grpo.envs.text_env import heldout_seeds
 from agent_grpo.rollout.backends.base import GenerationBackend, SamplingConfig
-from agent_grpo.rollout.collector import Task, collect_groups
-from agent_grpo.rollout.config import RolloutConfig
+from agent_grpo.rollout.collector import CollectOptions, Task, collect_groups
 from agent_grpo.rollout.summary import TrajectorySummary, summarize_trajectories
 from agent_grpo.trajectory.record import TrajectoryRecord
 
@@ -82,11 +81,11 @@ def evaluate(
     sampling = SamplingConfig(
         temperature=temperature, max_tokens=max_tokens, seed=seed, stop=list(stop)
     )
-    config = RolloutConfig(
-        group_size=samples, max_context_tokens=max_context_tokens, sampling=sampling,
-        progress=progress,
+    options = CollectOptions(
+        group_size=samples, sampling=sampling, max_context_tokens=max_context_tokens,
+        show_progress=progress,
     )  # fmt: skip
-    result = collect_groups(tasks, backend, tokenizer, config, step=step)
+    result = collect_groups(tasks, backend, tokenizer, options, step=step)
     return summarise_eval(result.records), result.records
 
 

@@ -35,13 +35,14 @@ from rich.progress import Progress
 
 from agent_grpo.envs.registry import make_env
 from agent_grpo.envs.text_env import read_step_info
-from agent_grpo.rollout.backends.base import Generation, GenerationBackend
+from agent_grpo.rollout.backends.base import Generation, GenerationBackend, SamplingConfig
 from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.trajectory.invariants import check_invariants
 from agent_grpo.trajectory.record import Message, Termination, TrajectoryRecord, TurnRecord
 from agent_grpo.trajectory.tokens import ChatTemplateError, TokenBuilder
 
 __all__ = [
+    "CollectOptions",
     "EnvStepError",
     "PromptTooLongError",
     "RolloutMetrics",
@@ -67,6 +68,40 @@ class Task(BaseModel):
     def task_id(self) -> str:
         """Stable prompt id shared by every sample of this task."""
         return f"{self.env_id}:{self.seed}"
+
+
+@dataclass(frozen=True)
+class CollectOptions:
+    """What `collect_groups` needs to know besides the tasks: the collector's own arguments,
+    built from the user's `RolloutConfig` (`from_config`) or set directly (evaluation)."""
+
+    group_size: int
+    """G: samples per task."""
+    sampling: SamplingConfig
+    """Sampling settings, stop strings included."""
+    max_context_tokens: int
+    """Longest episode in tokens."""
+    env_step_timeout_s: float = 60.0
+    """Deadline for one environment step."""
+    stop_on_env_error: bool = False
+    """Raise at the first env step that fails twice instead of recording an error episode."""
+    show_progress: bool = False
+    """A progress bar of the collection's own (off inside a training run, whose display shows
+    the rollout phase)."""
+
+    @classmethod
+    def from_config(
+        cls, config: RolloutConfig, *, stop: Sequence[str] = (), show_progress: bool = False
+    ) -> CollectOptions:
+        """The options `config` sets; `stop` are the env's stop strings, used unless the config
+        names some."""
+        sampling = config.sampling.model_copy(update={"stop": config.sampling.stop or list(stop)})
+        return cls(
+            group_size=config.group_size, sampling=sampling,
+            max_context_tokens=config.max_context_tokens,
+            env_step_timeout_s=config.env_step_timeout_s,
+            stop_on_env_error=config.stop_on_env_error, show_progress=show_progress,
+        )  # fmt: skip
 
 
 class RolloutMetrics(BaseModel):
@@ -187,7 +222,7 @@ def _fit_to_context(gen: Generation, room: int) -> tuple[Generation, bool]:
 def _generate_turn(
     active: list[_Episode],
     backend: GenerationBackend,
-    config: RolloutConfig,
+    config: CollectOptions,
     step: int,
     turn: int,
 ) -> list[tuple[Generation, bool]]:
@@ -329,7 +364,7 @@ def _run_concurrently(calls: list[Callable[[], Any]], timeout_s: float) -> list[
 
 
 def _to_record(
-    ep: _Episode, group_id: str, group_size: int, step: int, run_id: str, config: RolloutConfig
+    ep: _Episode, group_id: str, group_size: int, step: int, run_id: str, config: CollectOptions
 ) -> TrajectoryRecord:
     b = ep.builder
     assert ep.termination is not None
@@ -373,7 +408,7 @@ def _run_turn(
     active: list[_Episode],
     backend: GenerationBackend,
     tokenizer: Any,
-    config: RolloutConfig,
+    config: CollectOptions,
     step: int,
     turn: int,
     metrics: RolloutMetrics,
@@ -418,7 +453,7 @@ def collect_groups(
     tasks: Sequence[Task],
     backend: GenerationBackend,
     tokenizer: Any,
-    config: RolloutConfig,
+    config: CollectOptions,
     *,
     step: int = 0,
     run_id: str = "",
@@ -438,7 +473,7 @@ def collect_groups(
         for ep in episodes:
             _close_quietly(ep.env)
         raise
-    with Progress(transient=True, disable=not config.progress) as progress:
+    with Progress(transient=True, disable=not config.show_progress) as progress:
         bar = progress.add_task("rollout", total=len(episodes))
         turn = 0
         while active := [ep for ep in episodes if not ep.done]:
@@ -451,9 +486,8 @@ def collect_groups(
         for ep in episodes[t * config.group_size : (t + 1) * config.group_size]:
             records.append(_to_record(ep, group_id, config.group_size, step, run_id, config))
             _close_quietly(ep.env)
-    if config.check_invariants:
-        for record, ep in zip(records, episodes, strict=True):
-            check_invariants(record, tokenizer, contexts=ep.contexts)
+    for record, ep in zip(records, episodes, strict=True):  # cheap next to sampling: always on
+        check_invariants(record, tokenizer, contexts=ep.contexts)
     metrics.wall_time_s = time.perf_counter() - started
     _summarise(records, metrics)
     return RolloutResult(records=records, metrics=metrics)

@@ -21,6 +21,7 @@ Where we depart from common practice:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,8 +30,14 @@ from typing import Any
 import torch
 
 from agent_grpo.models.loading import load_model, load_tokenizer
-from agent_grpo.rollout.backends.factory import build_backend, rollout_limits
-from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult, Task, collect_groups
+from agent_grpo.rollout.backends.factory import EngineLimits, build_backend, rollout_limits
+from agent_grpo.rollout.collector import (
+    CollectOptions,
+    RolloutMetrics,
+    RolloutResult,
+    Task,
+    collect_groups,
+)
 from agent_grpo.rollout.config import BackendConfig, HFBackendConfig, RolloutConfig
 from agent_grpo.trajectory.record import TrajectoryRecord
 
@@ -96,12 +103,12 @@ class RolloutWorker:
         self,
         model_path: str,
         backend: BackendConfig,
-        collector: RolloutConfig,
+        collector: CollectOptions,
+        limits: EngineLimits,
         dtype: str = "float32",
     ) -> None:
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_model(model_path, dtype=getattr(torch, dtype))
-        limits = rollout_limits(collector)
         self.backend = build_backend(backend, self.model, self.tokenizer, model_path, None, limits)
         self.collector = collector
         self.version = 0
@@ -168,8 +175,9 @@ class RayRolloutPool:
         num_workers: int,
         model_path: str,
         backend: BackendConfig | None = None,
-        collector: RolloutConfig | None = None,
+        collector: CollectOptions | None = None,
         *,
+        limits: EngineLimits | None = None,
         dtype: str = "float32",
         num_cpus_per_worker: float = 1.0,
         num_gpus_per_worker: float = 0.0,
@@ -180,14 +188,17 @@ class RayRolloutPool:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self._ray = ray
+        defaults = RolloutConfig()
+        collector = collector or CollectOptions.from_config(defaults)
         # A progress display inside an actor is only noise in the driver's log.
-        self.collector = (collector or RolloutConfig()).model_copy(update={"progress": False})
+        self.collector = dataclasses.replace(collector, show_progress=False)
+        limits = limits or rollout_limits(defaults)
         actor = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(
             RolloutWorker
         )
         self.workers = [
             actor.options(scheduling_strategy="SPREAD").remote(
-                model_path, backend or HFBackendConfig(), self.collector, dtype
+                model_path, backend or HFBackendConfig(), self.collector, limits, dtype
             )
             for _ in range(num_workers)
         ]

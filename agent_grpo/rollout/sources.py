@@ -30,6 +30,7 @@ import torch
 from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.logs import get_logger
 from agent_grpo.rollout.backends.base import GenerationBackend
+from agent_grpo.rollout.backends.factory import rollout_limits
 from agent_grpo.rollout.collector import RolloutResult
 from agent_grpo.rollout.config import RayWorkers
 from agent_grpo.rollout.step import collect, collector_config, score, step_tasks
@@ -121,7 +122,8 @@ class RayRollouts:
                          log_to_driver=False)  # fmt: skip
         pool = RayRolloutPool(
             workers.num_workers, model_path, config.rollout.backend,
-            collector_config(config, stop), num_cpus_per_worker=workers.num_cpus_per_worker,
+            collector_config(config, stop), limits=rollout_limits(config.rollout),
+            num_cpus_per_worker=workers.num_cpus_per_worker,
             num_gpus_per_worker=workers.num_gpus_per_worker,
         )  # fmt: skip
         return cls(config, pool, started)
