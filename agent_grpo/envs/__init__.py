@@ -1,4 +1,4 @@
-"""Built-in environments, installed as `agent_grpo.envs`.
+"""Built-in environments: the base classes (`text_env.py`), the registry and the built-ins.
 
 Importing this package registers them with gymnasium as `agent_grpo/<Name>-v0`. Entry points are
 lazy `"module:Class"` strings, so registering imports no environment module.

@@ -1,1 +1,1 @@
-"""Built-in tools, installed as `agent_grpo.tools`."""
+"""Tools: the `@tool` decorator (`tool.py`), tool-call formats, MCP tools, and the built-ins."""
