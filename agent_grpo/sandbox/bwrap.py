@@ -20,8 +20,8 @@ Where this departs from the usual bwrap recipe, and why:
   end leaves no zombie behind. The sandbox therefore holds a shell too (`shell=True` works).
 - `--disable-userns` (bwrap 0.8+) rather than a seccomp filter: it sets the new user namespace's
   `max_user_namespaces` to 0, so `unshare(CLONE_NEWUSER)` inside fails with ENOSPC. Older bwrap is
-  refused rather than run without it. The seccomp filter (`sandbox_seccomp.py`) only closes the
-  kernel keyrings, which no namespace covers.
+  refused rather than run without it. The seccomp filter (`seccomp.py`) closes what no namespace
+  covers: kernel keyrings, inotify, file locks, socket families other than Unix and IP, ...
 """
 
 from __future__ import annotations

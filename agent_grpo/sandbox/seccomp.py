@@ -1,5 +1,6 @@
-"""The seccomp filter bwrap installs in the sandbox: no kernel keyrings, no inotify, no io_uring,
-userfaultfd, perf events or BPF, and only the native syscall ABI.
+"""The seccomp filter bwrap installs in the sandbox: no kernel keyrings, no inotify or dnotify,
+no file locks, sockets of three families only, no io_uring, userfaultfd, perf events or BPF, and
+only the native syscall ABI.
 
 Kernel keyrings belong to no namespace bwrap unshares. Each call's new user namespace gets fresh
 keyrings, but the keys in them outlive the call until the kernel's key GC runs: measured here, a
@@ -7,37 +8,65 @@ key one call left readable by its uid was read by the next call on the same uid,
 So `add_key`, `request_key` and `keyctl` fail with EPERM, as under Docker's default profile.
 inotify and fanotify watch inodes, not mounts: measured here, a call watching a stdlib file saw
 the host open it, so concurrent calls could signal each other through the files they share
-read-only; `inotify_init`, `inotify_init1` and `fanotify_init` fail with EPERM too. So do
-io_uring, `userfaultfd`, `perf_event_open` and `bpf`: open to unprivileged processes here
+read-only; `inotify_init`, `inotify_init1` and `fanotify_init` fail with EPERM too, and so does
+fcntl's F_NOTIFY (dnotify, the older form of the same channel). File locks are the same kind of
+channel: a lock on a shared read-only file (the interpreter, a stdlib module) is seen by every
+call and by the host, and an exclusive one blocks host callers of `flock` on that file; so
+`flock` and fcntl's record-lock commands fail with EPERM. Sockets are refused by allow-list: only
+AF_UNIX, AF_INET and AF_INET6 may be created (socketpair: AF_UNIX), every other family fails with
+EAFNOSUPPORT. Families a network namespace does not cover (AF_VSOCK: measured here, a sandboxed
+call bound a vsock port of the VM) or that talk to the kernel (netlink, packet, bluetooth, ...)
+are of no use to a stdlib program, and a deny-list would miss the next family a kernel adds.
+io_uring, `userfaultfd`, `perf_event_open` and `bpf` are open to unprivileged processes here
 (`kernel.io_uring_disabled=0`, userfaultfd in user mode), of no use to a stdlib program, and
 common paths of kernel exploits (Docker refuses them too).
 
-Where this departs from common practice, and why: the filter is a score of classic-BPF
+Where this departs from common practice, and why: the filter is a few dozen classic-BPF
 instructions written here, not generated with libseccomp, which has no binding for our
-interpreter and would be a compiled dependency for a deny-list of a dozen syscalls. It checks the
+interpreter and would be a compiled dependency for a short list of rules. It checks the
 architecture first, as every seccomp filter must: a syscall made through another ABI (i386
 `int 0x80` on x86_64, x32) has other numbers and would slip past, so every such syscall fails
-with ENOSYS.
+with ENOSYS. Argument checks compare the low 32 bits of an argument (both arches are
+little-endian), which is all the kernel reads of an `int` family or an `unsigned int` command.
+A refused file lock costs model-written code file-backed `sqlite3` and `dbm.gnu` databases,
+which take locks (`sqlite3.connect(":memory:")` needs none).
 """
 
 from __future__ import annotations
 
 import errno
 import platform
+import socket
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["NativeAbi", "blocked_syscalls_filter", "native_abi"]
+__all__ = [
+    "ALLOWED_FAMILIES",
+    "ALLOWED_PAIR_FAMILIES",
+    "REFUSED_FCNTL",
+    "NativeAbi",
+    "blocked_syscalls_filter",
+    "native_abi",
+]
 
 _LD_W_ABS = 0x20  # BPF_LD | BPF_W | BPF_ABS: load a 32-bit word of `struct seccomp_data`
 _JEQ_K = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
 _JGE_K = 0x35  # BPF_JMP | BPF_JGE | BPF_K
 _RET_K = 0x06  # BPF_RET | BPF_K
-_NR, _ARCH = 0, 4  # offsets of `nr` and `arch` in struct seccomp_data
+_NR, _ARCH, _ARG0 = 0, 4, 16  # offsets in struct seccomp_data; each argument takes 8 bytes
 _ALLOW = 0x7FFF0000  # SECCOMP_RET_ALLOW
 _ERRNO = 0x00050000  # SECCOMP_RET_ERRNO | errno
 _X32_BIT = 0x40000000
+
+ALLOWED_FAMILIES = frozenset({socket.AF_UNIX, socket.AF_INET, socket.AF_INET6})
+"""The only families socket(2) may create (AF_INET and AF_INET6 reach only the call's empty
+network namespace unless `network=True`); any other fails with EAFNOSUPPORT."""
+ALLOWED_PAIR_FAMILIES = frozenset({socket.AF_UNIX})
+"""The only family socketpair(2) may create; any other fails with EAFNOSUPPORT."""
+REFUSED_FCNTL = frozenset({5, 6, 7, 36, 37, 38, 1026})
+"""fcntl(2) commands that fail with EPERM: the record locks (F_GETLK, F_SETLK, F_SETLKW and
+their F_OFD_ forms; the same numbers on both arches) and F_NOTIFY (dnotify)."""
 
 
 @dataclass(frozen=True)
@@ -47,9 +76,17 @@ class NativeAbi:
     audit_arch: int
     """`AUDIT_ARCH_*` value the kernel reports for native syscalls."""
     blocked: Mapping[str, int]
-    """Name and number of each syscall that fails with EPERM."""
+    """Name and number of each syscall that fails with EPERM whatever its arguments."""
     x32_bit: bool
     """Whether syscall numbers with bit 30 set (x32) share this arch value and must be refused."""
+    socket: int
+    """Number of socket(2): allowed for `ALLOWED_FAMILIES` only."""
+    socketpair: int
+    """Number of socketpair(2): allowed for `ALLOWED_PAIR_FAMILIES` only."""
+    fcntl: int
+    """Number of fcntl(2): its `REFUSED_FCNTL` commands fail with EPERM."""
+    flock: int
+    """Number of flock(2), which fails with EPERM (with fcntl's locks: no file locks at all)."""
 
 
 _IO_URING = {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}
@@ -69,6 +106,10 @@ _ABIS = {
             "fanotify_init": 300,
         },
         x32_bit=True,
+        socket=41,
+        socketpair=53,
+        fcntl=72,
+        flock=73,
     ),
     "aarch64": NativeAbi(
         0xC00000B7,
@@ -84,8 +125,17 @@ _ABIS = {
             "fanotify_init": 262,
         },
         x32_bit=False,
+        socket=198,
+        socketpair=199,
+        fcntl=25,
+        flock=32,
     ),
 }
+
+# A program is a list of instructions whose jump targets are labels (str) or next (0), resolved
+# to offsets by `_assemble`; classic BPF only jumps forward, so each label follows its jumps.
+_Target = str | int
+_Instruction = tuple[int, _Target, _Target, int]
 
 
 def native_abi(machine: str | None = None) -> NativeAbi | None:
@@ -94,25 +144,63 @@ def native_abi(machine: str | None = None) -> NativeAbi | None:
 
 
 def blocked_syscalls_filter(abi: NativeAbi) -> bytes:
-    """A `struct sock_filter[]` for bwrap's `--seccomp`: `abi.blocked` EPERM, other ABIs ENOSYS."""
-    blocked = list(abi.blocked.values())
-    # Layout: 0 load arch; 1 arch check; 2 load nr; [x32 check]; one check per blocked number;
-    # then ALLOW, EPERM, ENOSYS. Jump offsets count instructions after the jump.
-    checks = int(abi.x32_bit) + len(blocked)
-    allow_at = 3 + checks
-    eperm_at, enosys_at = allow_at + 1, allow_at + 2
-    program = [
+    """A `struct sock_filter[]` for bwrap's `--seccomp`: what the module docstring refuses."""
+    eperm, eafnosupport = _ERRNO | errno.EPERM, _ERRNO | errno.EAFNOSUPPORT
+    program: list[_Instruction | str] = [
         (_LD_W_ABS, 0, 0, _ARCH),
-        (_JEQ_K, 0, enosys_at - 2, abi.audit_arch),
+        (_JEQ_K, 0, "enosys", abi.audit_arch),
         (_LD_W_ABS, 0, 0, _NR),
     ]
     if abi.x32_bit:
-        program.append((_JGE_K, enosys_at - len(program) - 1, 0, _X32_BIT))
-    for number in blocked:
-        program.append((_JEQ_K, eperm_at - len(program) - 1, 0, number))
+        program.append((_JGE_K, "enosys", 0, _X32_BIT))
+    for number in [*abi.blocked.values(), abi.flock]:
+        program.append((_JEQ_K, "eperm", 0, number))
     program += [
+        (_JEQ_K, "socket", 0, abi.socket),
+        (_JEQ_K, "socketpair", 0, abi.socketpair),
+        (_JEQ_K, "fcntl", 0, abi.fcntl),
         (_RET_K, 0, 0, _ALLOW),
-        (_RET_K, 0, 0, _ERRNO | errno.EPERM),
+        "eperm",
+        (_RET_K, 0, 0, eperm),
+        "enosys",
         (_RET_K, 0, 0, _ERRNO | errno.ENOSYS),
+        *_argument_rule("socket", 0, ALLOWED_FAMILIES, match=_ALLOW, otherwise=eafnosupport),
+        *_argument_rule("socketpair", 0, ALLOWED_PAIR_FAMILIES, _ALLOW, eafnosupport),
+        *_argument_rule("fcntl", 1, REFUSED_FCNTL, match=eperm, otherwise=_ALLOW),
     ]
-    return b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
+    return b"".join(struct.pack("=HBBI", *instruction) for instruction in _assemble(program))
+
+
+def _argument_rule(
+    label: str, argument: int, values: frozenset[int], match: int, otherwise: int
+) -> list[_Instruction | str]:
+    """At `label`: return `match` if the argument's low 32 bits are one of `values`, else
+    `otherwise` (each rule has its own returns: a jump back to the common ones is impossible)."""
+    name = f"{label}-match"
+    checks: list[_Instruction | str] = [(_JEQ_K, name, 0, value) for value in sorted(values)]
+    return [
+        label,
+        (_LD_W_ABS, 0, 0, _ARG0 + 8 * argument),
+        *checks,
+        (_RET_K, 0, 0, otherwise),
+        name,
+        (_RET_K, 0, 0, match),
+    ]
+
+
+def _assemble(program: list[_Instruction | str]) -> list[tuple[int, int, int, int]]:
+    """Drop the labels and turn each jump target into the count of instructions it skips."""
+    at: dict[str, int] = {}
+    instructions: list[_Instruction] = []
+    for item in program:
+        if isinstance(item, str):
+            at[item] = len(instructions)
+        else:
+            instructions.append(item)
+
+    def offset(target: _Target, pc: int) -> int:
+        return at[target] - pc - 1 if isinstance(target, str) else target
+
+    return [
+        (op, offset(jt, pc), offset(jf, pc), k) for pc, (op, jt, jf, k) in enumerate(instructions)
+    ]
