@@ -12,6 +12,9 @@ Where this departs from common practice, and why:
 - v1 has no `cgroup.kill`. Leftover tasks are killed one by one through pidfds, and a pid is only
   signalled if it is still listed in our cgroup after its pidfd was opened: a pid the kernel reused
   for someone else's process is never signalled (see `_kill_listed`).
+- A call's cgroup found left over is disposed of only if no live process (other than init and
+  us) is the parent of a process in it (`live_caller`): a live call of a process that leased its
+  uid elsewhere is left alone, and this call fails instead of killing it.
 - The memory cap the caller asks for includes the call's files: its tmpfs lives in RAM, and the
   kernel charges tmpfs pages to the cgroup of the process that wrote them.
 """
@@ -37,6 +40,7 @@ __all__ = [
     "dispose_cgroup",
     "find_layout",
     "limit_writes",
+    "live_caller",
     "parse_mountinfo",
     "parse_proc_cgroup",
 ]
@@ -236,6 +240,8 @@ def create_cgroup(layout: CgroupLayout, name: str, memory_bytes: int, tasks: int
     """Create the call's cgroup `name` with its limits (first disposing of a stale one)."""
     cgroup = CallCgroup(layout.version, {c: p / name for c, p in layout.parents.items()})
     if any(d.exists() for d in cgroup.dirs.values()):  # left by a process that crashed mid-call
+        if cgroup.dirs["pids"].exists() and (owner := live_caller(cgroup)) is not None:
+            raise RuntimeError(f"it holds a live call of process {owner}; left as it is")
         dispose_cgroup(cgroup)
     for directory in cgroup._unique_dirs():
         directory.mkdir()
@@ -248,6 +254,23 @@ def create_cgroup(layout: CgroupLayout, name: str, memory_bytes: int, tasks: int
         dispose_cgroup(cgroup)
         raise
     return cgroup
+
+
+def live_caller(cgroup: CallCgroup) -> int | None:
+    """The live process outside `cgroup`, other than init and us, whose child is in it: the
+    caller of a call still running there (bwrap's monitor is its child, and dies with it).
+
+    A caller that crashed leaves its children to init (or a subreaper: then the uid stays
+    unusable until they exit); leftovers that are our own children are ours to dispose of.
+    """
+    tasks = set(cgroup.tasks())
+    for pid in tasks:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            if parent not in tasks and parent not in (0, 1, os.getpid()):
+                return parent
+    return None
 
 
 def dispose_cgroup(cgroup: CallCgroup, timeout_s: float = _DISPOSE_TIMEOUT_S) -> None:

@@ -1,6 +1,12 @@
 """Private uids for sandboxed calls when we are root: one leased per call, switched to after exec,
 and swept where no cgroup holds the call.
 
+A lease is an `flock` on a file per uid in one machine-wide dir, `/run/agent-grpo/sandbox-uids`
+(`/run` is root's, and the same for every process whatever its `$TMPDIR`; where it is missing or
+read-only, `/tmp/agent-grpo-sandbox-uids`). Locks in per-`$TMPDIR` dirs let two processes lease
+the same uid, and the second disposed of the first's cgroup as stale, killing its call. When
+every uid is leased, a call waits for one (up to `LEASE_WAIT_S`) rather than failing.
+
 Where this departs from common practice, and why: the uid is dropped by util-linux `setpriv` after
 exec rather than by `Popen(user=...)`, which disables vfork: forking a trainer holding 3 GB took
 118 ms that way here, against 0.2 ms with vfork. The fallback's host working dir is removed by
@@ -26,10 +32,13 @@ from agent_grpo.sandbox.bwrap import SAFE_PATH
 from agent_grpo.sandbox.errors import SandboxError
 
 __all__ = [
+    "LEASE_DIRS",
+    "LEASE_WAIT_S",
     "SH",
     "count_pids",
     "drop_argv",
     "host_workdir",
+    "lease_dir",
     "lease_uid",
     "remove_as",
     "sweep_uid",
@@ -37,6 +46,10 @@ __all__ = [
 ]
 
 SH = "/bin/sh"
+LEASE_DIRS = (Path("/run/agent-grpo/sandbox-uids"), Path("/tmp/agent-grpo-sandbox-uids"))
+"""Where uid leases are locked: the first whose parent can be made; the same for every process."""
+LEASE_WAIT_S = 60.0
+"""Longest wait for a free uid when all are leased (a call holds one for its wall time)."""
 _SWEEP_TIMEOUT_S = 5.0
 
 
@@ -71,29 +84,48 @@ def lease_uid(uids: range, *, sweep: bool) -> Iterator[int | None]:
     if os.geteuid() != 0:
         yield None
         return
-    lock_dir = Path(tempfile.gettempdir()) / "agent-grpo-sandbox-uids"
-    lock_dir.mkdir(mode=0o700, exist_ok=True)
-    if lock_dir.stat(follow_symlinks=False).st_uid != 0 or lock_dir.is_symlink():
-        raise SandboxError(f"{lock_dir} is not a directory owned by root; refusing to use it")
-    candidates = list(uids)
-    random.shuffle(candidates)  # concurrent callers rarely contend for the same lock
-    for uid in candidates:
-        if _uid_has_account(uid):
-            continue
+    lock_dir = lease_dir()
+    candidates = [uid for uid in uids if not _uid_has_account(uid)]
+    deadline = time.monotonic() + LEASE_WAIT_S
+    while (leased := _try_lease(lock_dir, candidates)) is None:
+        if time.monotonic() > deadline:
+            raise SandboxError(f"all {len(candidates)} sandbox uids stayed in use {LEASE_WAIT_S} s")
+        time.sleep(0.01)
+    uid, fd = leased
+    try:
+        if sweep:
+            sweep_uid(uid)
+        yield uid
+    finally:
+        os.close(fd)
+
+
+def lease_dir() -> Path:
+    """The machine-wide dir of lease locks (made if missing), checked to be root's own."""
+    for path in LEASE_DIRS:
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(mode=0o755, exist_ok=True)
+            path.mkdir(mode=0o700, exist_ok=True)
+            break
+    else:
+        raise SandboxError(f"cannot make a lease dir for sandbox uids in any of {LEASE_DIRS}")
+    for directory in (path.parent, path):
+        if directory.is_symlink() or directory.stat().st_uid != 0:
+            raise SandboxError(f"{directory} is not a directory owned by root; refusing to use it")
+    return path
+
+
+def _try_lease(lock_dir: Path, candidates: list[int]) -> tuple[int, int] | None:
+    """The first free uid of `candidates` (shuffled) and the fd holding its lock, or None."""
+    for uid in random.sample(candidates, len(candidates)):  # concurrent callers rarely collide
         fd = os.open(lock_dir / str(uid), os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             continue
-        try:
-            if sweep:
-                sweep_uid(uid)
-            yield uid
-        finally:
-            os.close(fd)
-        return
-    raise SandboxError(f"all {len(candidates)} sandbox uids are in use")
+        return uid, fd
+    return None
 
 
 def _uid_has_account(uid: int) -> bool:
