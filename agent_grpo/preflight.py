@@ -9,6 +9,9 @@ In order:
 - the environment id, with gymnasium's "Did you mean", or ours across namespaces
   (`Calculator-v0` -> `agent_grpo/Calculator-v0`), and its entry point;
 - `env.kwargs` against the constructor: an unknown or missing argument, with the names it takes;
+- that the sandbox can run, when a tool of the env needs it (`Tool.needs_sandbox`, the `python`
+  tool): without bubblewrap every call would be a `SandboxError`, and the run would train on
+  episodes of reward 0;
 - that `reset` is deterministic: each env is reset twice with the same seed, and a second
   instance once more. Every member of a group is a fresh env reset with the group's seed, so a
   reset that varies gives each member a different task and the group baseline compares unrelated
@@ -33,8 +36,9 @@ from gymnasium.envs.registration import EnvSpec
 from agent_grpo.config.base import ConfigError, close_match
 from agent_grpo.config.jobs import EnvConfig, EvalRunConfig, TrainConfig
 from agent_grpo.envs.registry import env_spec, make_env
-from agent_grpo.envs.text_env import HELDOUT_SEEDS, TRAIN_SEEDS
+from agent_grpo.envs.text_env import HELDOUT_SEEDS, TRAIN_SEEDS, ToolEnv
 from agent_grpo.models.loading import check_model_source
+from agent_grpo.sandbox.runner import sandbox_refusal
 
 __all__ = [
     "CHECK_SEEDS",
@@ -42,6 +46,7 @@ __all__ = [
     "PreflightError",
     "check_env",
     "check_reset_deterministic",
+    "check_sandbox",
     "constructor_arguments",
     "kwargs_problem",
     "preflight_eval",
@@ -71,10 +76,12 @@ def preflight_eval(config: EvalRunConfig) -> None:
 
 
 def check_env(env: EnvConfig) -> None:
-    """The env id resolves, its constructor takes `env.kwargs`, and its reset is deterministic."""
+    """The env id resolves, its constructor takes `env.kwargs`, the sandbox its tools need can
+    run, and its reset is deterministic."""
     spec, creator = resolve_env(env.id)
     first = _construct(env, spec, creator)
     try:
+        check_sandbox(env.id, first)
         check_reset_deterministic(env, first)
     finally:
         first.close()
@@ -203,6 +210,20 @@ def _construct(env: EnvConfig, spec: EnvSpec, creator: Callable[..., Any]) -> gy
             raise
         message = " ".join(str(error).split())
         raise PreflightError(f"env.kwargs {env.kwargs} of {spec.id}: {message}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The sandbox
+
+
+def check_sandbox(env_id: str, env: gym.Env[Any, Any]) -> None:
+    """PreflightError when a tool of `env` runs code in the sandbox and the sandbox refuses to."""
+    tools = env.unwrapped.tools if isinstance(env.unwrapped, ToolEnv) else ()
+    needing = [t.name for t in tools if t.needs_sandbox]
+    if needing and (refusal := sandbox_refusal()) is not None:
+        raise PreflightError(
+            f"env {env_id} runs code in the sandbox (tool {needing[0]}): {refusal}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,19 +2,19 @@
 
 Each call runs `python -I -S -u main.py` (isolated mode, stdlib only, unbuffered) under `bwrap`
 (`sandbox_bwrap.py`): new user, mount, PID, IPC, UTS, cgroup and network namespaces (network kept
-only with `network=True`), no capabilities, no new user namespaces, a small seccomp deny-list
-(`sandbox_seccomp.py`: kernel keyrings, inotify, io_uring, ...), a read-only root holding only the
-interpreter, its stdlib and shared libraries, and private size-capped tmpfs mounts for `/tmp`
+only with `network=True`), no capabilities, no new user namespaces, a seccomp filter (`seccomp.py`:
+kernel keyrings, inotify, file locks, socket families but three, ...), a read-only root holding only
+the interpreter, its stdlib and shared libraries, and private size-capped tmpfs mounts for `/tmp`
 (holding the working dir) and `/dev/shm`. A cgroup per call (`sandbox_cgroup.py`) caps memory and
 processes of the whole tree; rlimits cap CPU seconds, address space, file size and open files per
-process; the parent enforces the wall time and the output caps (`sandbox_process.py`). When the
-call ends everything goes with its namespaces: the tmpfs with the mount namespace, SysV IPC
-objects with the IPC namespace, every process with the PID namespace and the cgroup, which is
-emptied and removed. No cleanup walks a tree the code could write.
+process; the parent enforces the wall time and the output caps (`sandbox_process.py`). When the call
+ends everything goes with its namespaces: the tmpfs with the mount namespace, SysV IPC objects with
+the IPC namespace, every process with the PID namespace and the cgroup, which is emptied and
+removed. No cleanup walks a tree the code could write.
 
-As root, each call leases a private uid (61000-61511, flock-guarded; `sandbox_uid.py`) and bwrap
-itself runs as that uid, so concurrent calls share no uid either (nor its kernel quotas). Not
-root, bwrap runs as us.
+As root, each call leases a private uid (61000-61511, flock-guarded machine-wide; `uid.py`) and
+bwrap itself runs as that uid, so concurrent calls share no uid either (nor its kernel quotas).
+Not root, bwrap runs as us.
 
 Where this departs from common practice, and why: without bubblewrap (or with one older than 0.8)
 the sandbox refuses to run code, unless `AGENT_GRPO_SANDBOX_FALLBACK=rlimits` opts into the weak
@@ -55,7 +55,14 @@ from agent_grpo.sandbox.process import BwrapStatus, Launch, run_launch
 from agent_grpo.sandbox.seccomp import blocked_syscalls_filter, native_abi
 from agent_grpo.sandbox.uid import count_pids, drop_argv, host_workdir, lease_uid, sweep_uid
 
-__all__ = ["FALLBACK_ENV", "SandboxError", "SandboxLimits", "SandboxResult", "run_sandboxed"]
+__all__ = [
+    "FALLBACK_ENV",
+    "SandboxError",
+    "SandboxLimits",
+    "SandboxResult",
+    "run_sandboxed",
+    "sandbox_refusal",
+]
 
 FALLBACK_ENV = "AGENT_GRPO_SANDBOX_FALLBACK"
 """`rlimits` opts into the weak fallback where bubblewrap is missing; anything else refuses."""
@@ -240,16 +247,10 @@ def _decode(data: bytes) -> str:
 def _choose_isolation() -> Bwrap | None:
     """bwrap when a recent one is installed; else None (the fallback) if opted into; else refuse."""
     bwrap = find_bwrap()
-    if bwrap is not None and bwrap.version >= BWRAP_MIN_VERSION:
+    problem = _bwrap_problem(bwrap)
+    if problem is None:
         return bwrap
-    wanted = ".".join(map(str, BWRAP_MIN_VERSION))
-    problem = (
-        "bubblewrap (bwrap) is not installed"
-        if bwrap is None
-        else f"bubblewrap {'.'.join(map(str, bwrap.version))} is older than {wanted}"
-    )
-    choice = os.environ.get(FALLBACK_ENV, "")
-    if choice == "rlimits":
+    if os.environ.get(FALLBACK_ENV, "") == "rlimits":
         _say_once(
             f"{problem}. {FALLBACK_ENV}=rlimits: running model-written code with the WEAK "
             "fallback: rlimits and (as root) a private uid only, no namespaces. The code can read "
@@ -257,13 +258,37 @@ def _choose_isolation() -> Bwrap | None:
             "Install bubblewrap for real isolation (docs/sandbox.md)."
         )
         return None
-    message = (
+    message = _refusal(problem)
+    _say_once(message)
+    raise SandboxError(message)
+
+
+def sandbox_refusal() -> str | None:
+    """Why `run_sandboxed` refuses to run code here, in one line naming the fix; None if it runs
+    (bubblewrap 0.8+ is installed, or the weak fallback is opted into)."""
+    problem = _bwrap_problem(find_bwrap())
+    if problem is None or os.environ.get(FALLBACK_ENV, "") == "rlimits":
+        return None
+    return _refusal(problem)
+
+
+def _bwrap_problem(bwrap: Bwrap | None) -> str | None:
+    """What is wrong with the installed bubblewrap, or None when it is recent enough."""
+    if bwrap is not None and bwrap.version >= BWRAP_MIN_VERSION:
+        return None
+    if bwrap is None:
+        return "bubblewrap (bwrap) is not installed"
+    wanted = ".".join(map(str, BWRAP_MIN_VERSION))
+    return f"bubblewrap {'.'.join(map(str, bwrap.version))} is older than {wanted}"
+
+
+def _refusal(problem: str) -> str:
+    wanted = ".".join(map(str, BWRAP_MIN_VERSION))
+    return (
         f"{problem}: refusing to run model-written code. Install bubblewrap {wanted}+ "
         "(`make sandbox-deps` as root, or `apt-get install bubblewrap`), or set "
         f"{FALLBACK_ENV}=rlimits to accept the weak fallback (docs/sandbox.md)."
     )
-    _say_once(message)
-    raise SandboxError(message)
 
 
 def _say_once(message: str) -> None:

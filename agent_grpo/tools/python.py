@@ -24,7 +24,7 @@ _MAX_OUTPUT_CHARS = 8000
 _TOOL_TIMEOUT_S = PYTHON_LIMITS.wall_time_s + 5.0
 
 
-@tool(timeout_s=_TOOL_TIMEOUT_S, max_output_chars=_MAX_OUTPUT_CHARS)
+@tool(timeout_s=_TOOL_TIMEOUT_S, max_output_chars=_MAX_OUTPUT_CHARS, needs_sandbox=True)
 def python(
     code: Annotated[
         str, Field(description="A complete Python 3 program; print() what you want to see.")

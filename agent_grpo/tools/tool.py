@@ -74,6 +74,8 @@ class Tool:
     """Seconds one call may run before it is abandoned with a `timeout` error."""
     max_output_chars: int
     """Longest result text accepted; longer is an `oversized` error."""
+    needs_sandbox: bool = False
+    """Whether it runs code in the sandbox: preflight refuses a run where the sandbox cannot."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the underlying function directly (no validation, timeout or size cap)."""
@@ -112,6 +114,7 @@ def tool(
     name: str | None = None,
     timeout_s: float = 10.0,
     max_output_chars: int = 8000,
+    needs_sandbox: bool = False,
 ) -> Callable[[Callable[..., Any]], Tool]: ...
 
 
@@ -122,6 +125,7 @@ def tool(
     name: str | None = None,
     timeout_s: float = 10.0,
     max_output_chars: int = 8000,
+    needs_sandbox: bool = False,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Turn a typed function into a `Tool`; use as `@tool` or `@tool(timeout_s=2)`."""
 
@@ -135,6 +139,7 @@ def tool(
             is_async=inspect.iscoroutinefunction(f),
             timeout_s=timeout_s,
             max_output_chars=max_output_chars,
+            needs_sandbox=needs_sandbox,
         )
 
     return build if fn is None else build(fn)
