@@ -22,6 +22,9 @@ Where we depart from common practice:
   dropped). A server that exits is treated the same way. Either way a new one is started at once
   in the background, so the next call does not pay for the start; whatever the old one kept in
   memory is lost (Notes-v0 keeps its state in a file for that reason).
+- A stdio server's stderr goes to a pipe the client's loop drains, keeping only the last
+  `STDERR_TAIL_BYTES` (shown in startup errors, and by `McpClient.stderr_tail`): a file kept
+  everything, and a noisy server wrote 300 MB to it in 14 s.
 - Stopping a stdio server is the SDK's: stdin closed, 2 s, SIGTERM to its process group, 2 s,
   SIGKILL. The server runs in its own session, so the kill takes its children with it.
 """
@@ -30,10 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import importlib.util
 import json
 import math
-import tempfile
+import os
 import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -53,6 +57,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CANCEL_GRACE_S",
     "SHUTDOWN_BOUND_S",
+    "STDERR_TAIL_BYTES",
     "McpClient",
     "McpServer",
     "McpServerError",
@@ -68,6 +73,8 @@ CANCEL_GRACE_S = 1.0
 reports first (as `timeout`) and the cancel and probe happen after it has given up."""
 SHUTDOWN_BOUND_S = 10.0
 """Longest wait for a connection to close: the SDK's stop sequence takes at most about 7 s."""
+STDERR_TAIL_BYTES = 64 * 1024
+"""Most bytes of a stdio server's stderr kept (the last ones written)."""
 
 
 class McpServer(BaseModel):
@@ -196,6 +203,14 @@ class McpClient:
         bound = self.server.startup_timeout_s + self.server.timeout_s + self.server.probe_timeout_s
         return self._run(lambda s: s.call_tool(name, arguments), bound)
 
+    def stderr_tail(self) -> str:
+        """The last `STDERR_TAIL_BYTES` a stdio server wrote to its stderr ("" before it starts)."""
+        with self._lock:
+            session = self._session
+        if session is None:
+            return ""
+        return asyncio.run_coroutine_threadsafe(session.stderr_text(), session.loop).result(5)
+
     def close(self) -> None:
         """Close the session and stop the server (killed if it does not exit); idempotent.
 
@@ -262,7 +277,7 @@ class _Session:
         self._connection: _Connection | None = None
         self._connecting: asyncio.Lock | None = None
         self._closing = False
-        self._errlog: TextIO | None = None
+        self._errlog: _StderrTail | None = None
 
     def close(self) -> None:
         """Stop the server, then the loop (from any thread but the loop's)."""
@@ -367,14 +382,13 @@ class _Session:
         if self.server.url is not None:
             return self.server.url
         assert self.server.command is not None
-        if self._errlog is None:
-            # Kept open for the session's life (closed in _shutdown), so not a `with` block.
-            self._errlog = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")  # noqa: SIM115
+        if self._errlog is None:  # one for the session's life: every restarted server writes to it
+            self._errlog = _StderrTail(self.loop)
         program, *args = self.server.command
         params = StdioServerParameters(
             command=program, args=args, env=self.server.env or None, cwd=self.server.cwd
         )
-        return stdio_client(params, errlog=self._errlog)
+        return stdio_client(params, errlog=self._errlog.file)
 
     async def _close_connection(self) -> None:
         connection, self._connection = self._connection, None
@@ -403,12 +417,45 @@ class _Session:
         if others:
             await asyncio.wait(others, timeout=1)
 
+    async def stderr_text(self) -> str:
+        """What the server last wrote to its stderr (on the loop, where the tail is drained)."""
+        return self._errlog.text() if self._errlog is not None else ""
+
     def _stderr_tail(self, chars: int = 800) -> str:
-        if self._errlog is None:
-            return ""
-        self._errlog.seek(0)
-        tail = self._errlog.read()[-chars:].strip()
+        tail = (self._errlog.text() if self._errlog is not None else "")[-chars:].strip()
         return f"; its stderr ends: {tail}" if tail else ""
+
+
+class _StderrTail:
+    """The last `limit` bytes written to `file` (a stdio server's stderr): a pipe that `loop`
+    drains as data comes, and `text()` drains first, so it holds all a dead server wrote."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int = STDERR_TAIL_BYTES) -> None:
+        self._read_fd, write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        self.file: TextIO = os.fdopen(write_fd, "w", encoding="utf-8", errors="replace")
+        """The write end, given to the server as its stderr."""
+        self._limit = limit
+        self._tail = bytearray()
+        self._loop = loop
+        loop.add_reader(self._read_fd, self._drain)
+
+    def _drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(self._read_fd, 1 << 16):
+                self._tail += chunk
+                del self._tail[: -self._limit]
+
+    def text(self) -> str:
+        """The kept tail, as text (on the loop)."""
+        self._drain()
+        return self._tail.decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        """Stop draining and close both ends (on the loop)."""
+        self._loop.remove_reader(self._read_fd)
+        self.file.close()
+        os.close(self._read_fd)
 
 
 def _ignore_outcome(task: asyncio.Task[Any]) -> None:
