@@ -31,6 +31,12 @@ records it wrote before its index entries failed, so each call lands whole or no
 Where we depart from common practice: no database and no Parquet as the primary format. JSON
 lines append safely from one process and can be inspected with `tail`, and a byte-offset index is
 enough to seek to one group. `export_parquet` converts a finished run for analysis.
+
+`manifest.jsonl` (`agent_grpo.run_dir.manifest`) chains a hash of every piece written: each is
+appended right after its piece, inside the same all-or-nothing block, so a failed entry cuts its
+piece back. A kill between a piece and its entry leaves a piece the manifest lacks; the resume's
+`rollback_to` deletes it (it belongs to a step after the checkpoint) or, for a checkpoint, adopts
+it, and cuts off a torn last entry. A run written before the manifest existed gets none.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -53,6 +60,23 @@ from pydantic_core import PydanticSerializationError
 
 from agent_grpo.faults import crash_point
 from agent_grpo.logs import get_logger
+from agent_grpo.run_dir.manifest import (
+    GENESIS,
+    MANIFEST,
+    CheckpointPiece,
+    CheckpointRemoved,
+    ConfigPiece,
+    MetricsPiece,
+    Piece,
+    RollbackPiece,
+    TrajectoryPiece,
+    checkpoint_files,
+    parse_manifest,
+    replay_state,
+    run_key,
+    seal,
+    sha256_bytes,
+)
 from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = [
@@ -347,6 +371,12 @@ class RunWriter:
         self.path = Path(path)
         # fsync after each write call survives power loss, at a disk round trip per call.
         self.fsync = fsync
+        self._manifest = self.path / MANIFEST
+        # A run from before manifests gets none: a chain of only its later pieces would
+        # flag every earlier one as unrecorded.
+        self._chained = self._manifest.exists()
+        self._key = run_key()
+        self._tail: tuple[int, str, int] | None = None  # next seq, last digest, manifest size
 
     @property
     def run_id(self) -> str:
@@ -368,7 +398,10 @@ class RunWriter:
         (path / "trajectories").mkdir()
         (path / "checkpoints").mkdir()
         (path / "config.yaml").write_text(config_text)
-        return cls(path, fsync=fsync)
+        run = cls(path, fsync=fsync)
+        run._chained = True
+        run._record(ConfigPiece(sha256=sha256_bytes((path / "config.yaml").read_bytes())))
+        return run
 
     @classmethod
     def open(cls, path: str | Path, *, fsync: bool = False) -> RunWriter:
@@ -396,6 +429,7 @@ class RunWriter:
         line = json.dumps({"step": step, **values})
         with _appending(self.path / "metrics.jsonl", self.fsync) as append:
             append(line)
+            self._record(MetricsPiece(step=step, sha256=sha256_bytes(line.encode())))
 
     def write_trajectories(self, step: int, records: Iterable[TrajectoryRecord]) -> None:
         """Append records to step `step`'s file, then their index entries."""
@@ -417,6 +451,7 @@ class RunWriter:
             with _appending(self.path / "index.jsonl", self.fsync) as append:
                 for entry in entries:
                     append(entry.model_dump_json())
+                self._record(_trajectory_piece(step, path, entries, [line for _, line in lines]))
         except RunDirWriteError:
             # All or nothing: records the index lacks would be missed by `find`, seen by a scan;
             # an empty step file would count as a step.
@@ -547,16 +582,75 @@ class RunWriter:
         deleted. Each file is rewritten to a temp name and renamed, so a crash during the
         rollback leaves either the old or the new file, and the rollback can simply run again.
         """
+        self._reconcile_checkpoints()
         metrics = self.path / "metrics.jsonl"
         if metrics.exists():
-            kept = [obj for _, obj in read_jsonl(metrics) if int(obj.get("step", 0)) < step]
-            _replace_lines(metrics, [json.dumps(obj) for obj in kept])
+            # The kept rows' bytes unchanged: the manifest holds the hash of each line.
+            rows = _split_lines(metrics.read_bytes())
+            kept = [line for _, line, whole in rows if whole and _row_step(line, step) < step]
+            _replace_lines(metrics, [line.decode() for line in kept])
         index = self.path / "index.jsonl"
         if index.exists():
             entries = [e for e in self.index() if e.step < step]
             _replace_lines(index, [e.model_dump_json() for e in entries])
         for later in (s for s in self.steps() if s >= step):
             self.trajectory_file(later).unlink()
+        self._record(RollbackPiece(step=step))
+
+    # The manifest
+
+    def record_checkpoint(self, path: Path) -> None:
+        """Chain the checkpoint directory `path` (just renamed into place), file by file."""
+        if self._chained and (m := _CHECKPOINT_DIR.match(path.name)):
+            self._record(CheckpointPiece(step=int(m.group(1)), files=checkpoint_files(path)))
+
+    def record_checkpoint_removed(self, path: Path) -> None:
+        """Chain the deletion of checkpoint `path` (pruned); temp dirs were never chained."""
+        if self._chained and (m := _CHECKPOINT_DIR.match(path.name)):
+            self._record(CheckpointRemoved(step=int(m.group(1))))
+
+    def _record(self, piece: Piece) -> None:
+        """Append `piece`'s entry to the chain (nothing in a run from before manifests)."""
+        if not self._chained:
+            return
+        seq, prev = self._chain_tail()
+        entry = seal(seq, prev, piece, self._key)
+        with _appending(self._manifest, self.fsync) as append:
+            append(entry.model_dump_json())
+        self._tail = (seq + 1, entry.digest, self._manifest.stat().st_size)
+
+    def _chain_tail(self) -> tuple[int, str]:
+        """The next entry's seq and prev; cuts off a torn last entry (a kill mid-append)."""
+        size = self._manifest.stat().st_size if self._manifest.exists() else 0
+        if self._tail is not None and self._tail[2] == size:
+            return self._tail[0], self._tail[1]
+        lines = parse_manifest(self._manifest.read_bytes() if size else b"")
+        if lines and lines[-1].entry is None:
+            log.warning("%s: cutting off a torn last entry at byte %d: its piece is unrecorded",
+                        self._manifest, lines[-1].offset)  # fmt: skip
+            os.truncate(self._manifest, lines[-1].offset)
+        entries = [line.entry for line in lines if line.entry is not None]
+        return (entries[-1].seq + 1, entries[-1].digest) if entries else (0, GENESIS)
+
+    def _reconcile_checkpoints(self) -> None:
+        """Make the chain's checkpoints those on disk after a kill between a checkpoint's
+        rename (or a prune's delete) and its entry: adopt whole ones, finish half-pruned ones."""
+        if not self._chained:
+            return
+        self._chain_tail()  # a torn last entry goes first
+        lines = parse_manifest(self._manifest.read_bytes())
+        state = replay_state([line.entry.piece for line in lines if line.entry is not None])
+        for step, piece in state.checkpoints.items():
+            folder = self.checkpoint_dir(step)
+            if not all((folder / name).is_file() for name in piece.files):
+                log.warning("%s: half deleted by a prune; deleting the rest", folder)
+                shutil.rmtree(folder, ignore_errors=True)
+                self._record(CheckpointRemoved(step=step))
+        for folder in sorted((self.path / "checkpoints").glob("step_*")):
+            m = _CHECKPOINT_DIR.match(folder.name)
+            if m and int(m.group(1)) not in state.checkpoints and (folder / "state.json").is_file():
+                log.warning("%s: not in the manifest (a kill before its entry); adding it", folder)
+                self.record_checkpoint(folder)
 
     def _scan_step(self, step: int) -> Iterator[IndexEntry]:
         path = self.trajectory_file(step)
@@ -671,6 +765,26 @@ def _index_entry(
         **fields, step=step, uid=record.uid, termination=termination, tool_errors=errors,
         file=file, offset=offset, length=length,
     )  # fmt: skip
+
+
+def _trajectory_piece(
+    step: int, path: Path, entries: Sequence[IndexEntry], lines: Sequence[str]
+) -> TrajectoryPiece:
+    """The manifest piece of the lines one `write_trajectories` call appended to `path`."""
+    data = b"".join(line.encode() + b"\n" for line in lines)
+    offset = entries[0].offset if entries else path.stat().st_size
+    return TrajectoryPiece(
+        step=step, offset=offset, length=len(data), records=len(lines), sha256=sha256_bytes(data)
+    )
+
+
+def _row_step(line: bytes, default: int) -> int:
+    """A metrics line's step; `default` (dropped by a rollback to it) when it does not parse."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return default
+    return int(obj.get("step", 0)) if isinstance(obj, dict) else default
 
 
 def _records_in(path: Path) -> Iterator[TrajectoryRecord]:

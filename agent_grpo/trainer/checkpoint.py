@@ -165,7 +165,9 @@ def save(run: RunWriter | None, trainer: Trainer, state: TrainerState, keep: int
     if run is not None and trainer.sampler is not None:
         path = run.checkpoint_dir(state.step)
         save_checkpoint(path, trainer.sampler, trainer.tokenizer, optimizer, state)
-        prune_checkpoints(path.parent, keep)
+        run.record_checkpoint(path)  # the manifest's entry, after the rename (crash: adopted)
+        for pruned in prune_checkpoints(path.parent, keep):
+            run.record_checkpoint_removed(pruned)
 
 
 def restore(checkpoint: Path, trainer: Trainer) -> TrainerState:
