@@ -15,7 +15,9 @@ over the whole group even when a filter shows only some of its members.
 
 `--verify` checks each record itself (torn lines, content hash, token invariants, duplicates,
 complete groups), then replays the environment from the record's seed with the recorded assistant
-texts and checks that it reproduces every observation and the reward (`agent_grpo.inspect.verify`);
+texts and checks that it reproduces every observation and the reward (`agent_grpo.inspect.verify`),
+and checks the run as a whole: its files against `manifest.jsonl`, its records against its config
+(`agent_grpo.inspect.verify_run`);
 `--recompute-logprobs` scores the record's tokens with a checkpoint and reports how far those
 logprobs drift from the recorded ones (`agent_grpo.inspect.curves`).
 """
@@ -45,6 +47,8 @@ from agent_grpo.inspect.curves import (
     recompute_logprobs,
 )
 from agent_grpo.inspect.verify import print_report, verify_lines
+from agent_grpo.inspect.verify_run import check_run
+from agent_grpo.run_dir.manifest import run_key
 from agent_grpo.run_dir.writer import RecordFilter, RunWriter, StoredLine, select_entries
 from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
@@ -409,7 +413,8 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="check the records (every step unless --step: torn lines, content "
                         "hashes, token invariants, duplicates, whole groups), re-run the env and "
-                        "compare; exit 1 on any problem")  # fmt: skip
+                        "compare, check the run against its manifest.jsonl and the records "
+                        "against config.yaml; exit 1 on any problem")  # fmt: skip
     p.add_argument("--recompute-logprobs", type=Path, metavar="CHECKPOINT",
                    help="score the tokens with this checkpoint (an HF model dir, or a run's "
                         "checkpoints/step_N) and report the drift")  # fmt: skip
@@ -485,8 +490,18 @@ def _verify(console: Console, run: RunWriter, args: argparse.Namespace) -> int:
         return (line.file, line.offset) in keys
 
     report = verify_lines(lines, load_run_tokenizer(run), run_env_factory(run), chosen)
-    print_report(console, report)
-    return 1 if report.failed else 0
+    whole = args.step is None and args.group is None and args.sample is None
+    whole = whole and _record_filter(args) == RecordFilter()
+    by_step = {
+        step: [line for line in lines if line.file == _step_file(run, step)] for step in steps
+    }
+    checked = check_run(run.path, by_step, run_key(), whole, chosen)
+    print_report(console, report, checked.lines())
+    return 1 if report.failed or checked.failed else 0
+
+
+def _step_file(run: RunWriter, step: int) -> str:
+    return str(run.trajectory_file(step).relative_to(run.path))
 
 
 def _write_html(args: argparse.Namespace, run: RunWriter, records: list[TrajectoryRecord]) -> None:

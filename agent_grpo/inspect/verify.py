@@ -232,9 +232,11 @@ def _verdict_lines(verdict: Verdict) -> list[str]:
     return out
 
 
-def print_report(console: Console, report: VerifyReport) -> None:
-    """Each verdict (problems indented under it), each incomplete group, then the counts."""
+def print_report(console: Console, report: VerifyReport, run_lines: Sequence[str] = ()) -> None:
+    """Each verdict (problems indented under it), each incomplete group, the run-level lines
+    (`agent_grpo.inspect.verify_run`), then the counts."""
     lines = [text for v in report.verdicts for text in _verdict_lines(v)]
-    for text in [*lines, *(f"verify {m}" for m in report.incomplete), report.summary()]:
+    incomplete = [f"verify {m}" for m in report.incomplete]
+    for text in [*lines, *incomplete, *run_lines, report.summary()]:
         # No markup: recorded text is full of brackets that rich would read as style tags.
         console.print(text, markup=False, highlight=False, soft_wrap=True)
