@@ -5,13 +5,23 @@ of a step; the record keeps every component (`reward_components`) and `reward` b
 `verifier + sum(weight_k * component_k)`. Sources are named types chosen by `type`:
 `rule` (a Python callable), `reward_model` (a transformers sequence-classification model) and
 `judge` (an LLM behind an OpenAI-compatible chat endpoint).
+
+The judge is a remote service, so it fails like one: its requests run `max_concurrency` at a
+time, each with a timeout, and a timeout, a connection error, a 429 or a 5xx is retried with
+exponential backoff. An episode the judge still cannot score is a `RewardFailure`: the episode
+is excluded as an infrastructure failure (`apply_rewards` marks it; the step goes on), never a
+crashed step and never a reward of 0 that the policy would be trained against. TRL's and verl's
+reward functions have no such path: an exception there ends the step.
 """
 
 from __future__ import annotations
 
 import importlib
 import re
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import httpx
@@ -23,6 +33,7 @@ from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = [
     "JudgeRewardConfig",
+    "RewardFailure",
     "RewardFn",
     "RewardModelRewardConfig",
     "RewardSourceConfig",
@@ -32,7 +43,16 @@ __all__ = [
     "build_reward_fn",
 ]
 
-RewardFn = Callable[[Sequence[TrajectoryRecord]], list[float]]
+
+@dataclass(frozen=True)
+class RewardFailure:
+    """A reward source that could not score one episode (e.g. its judge kept failing)."""
+
+    reason: str
+    """What went wrong, for the record's `excluded` text."""
+
+
+RewardFn = Callable[[Sequence[TrajectoryRecord]], Sequence[float | RewardFailure]]
 
 
 class RuleRewardConfig(ConfigModel):
@@ -81,8 +101,15 @@ class JudgeRewardConfig(ConfigModel):
         "(perfectly). Reply with the number only.\n\n{conversation}"
     )
     """Judge prompt; `{conversation}` is replaced by the transcript."""
-    timeout_s: float = 60.0
-    """Per-request timeout."""
+    timeout_s: float = Field(default=60.0, gt=0)
+    """Per-request timeout (connect, read and write each)."""
+    max_concurrency: int = Field(default=8, ge=1)
+    """Judge requests in flight at once."""
+    max_retries: int = Field(default=3, ge=0)
+    """Retries of a request that timed out, failed to connect or got a 429 or 5xx; after them
+    the episode is excluded as an infrastructure failure."""
+    backoff_s: float = Field(default=1.0, ge=0)
+    """Wait before the first retry; each further retry waits twice as long."""
 
 
 RewardSourceConfig = Annotated[
@@ -138,21 +165,53 @@ def parse_judge_score(text: str) -> float:
     return min(max(float(match.group()) / 10.0, 0.0), 1.0) if match else 0.0
 
 
+def _retryable(error: Exception) -> bool:
+    """Whether a failed judge request may succeed when sent again."""
+    if isinstance(error, httpx.HTTPStatusError):
+        code = error.response.status_code
+        return code == 429 or code >= 500
+    return isinstance(error, httpx.TransportError)  # timeouts and connection errors
+
+
+def _judge_once(client: httpx.Client, config: JudgeRewardConfig, record: TrajectoryRecord) -> float:
+    """One judge request for one episode; raises on any failure."""
+    body = {
+        "model": config.model,
+        "temperature": 0.0,
+        "messages": [
+            {"role": "user", "content": config.prompt.format(conversation=transcript(record))}
+        ],
+    }
+    url = config.base_url.rstrip("/") + "/v1/chat/completions"
+    reply = client.post(url, json=body).raise_for_status().json()
+    return parse_judge_score(reply["choices"][0]["message"]["content"])
+
+
+def _judge_with_retries(
+    client: httpx.Client, config: JudgeRewardConfig, record: TrajectoryRecord
+) -> float | RewardFailure:
+    """The judge's score of one episode, retried with backoff; a `RewardFailure` at the end."""
+    for attempt in range(config.max_retries + 1):
+        try:
+            return _judge_once(client, config, record)
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
+            # ValueError..TypeError: a reply that is not the chat-completions JSON we asked for
+            if not _retryable(error) or attempt == config.max_retries:
+                tries = f"{attempt + 1} attempt(s)"
+                return RewardFailure(f"judge {config.name}: {type(error).__name__}: "
+                                     f"{error} ({tries})")  # fmt: skip
+            time.sleep(config.backoff_s * 2**attempt)
+    raise AssertionError("unreachable: the last attempt returns")
+
+
 def _judge_fn(config: JudgeRewardConfig, transport: httpx.BaseTransport | None) -> RewardFn:
-    def score(records: Sequence[TrajectoryRecord]) -> list[float]:
-        url = config.base_url.rstrip("/") + "/v1/chat/completions"
-        with httpx.Client(timeout=config.timeout_s, transport=transport) as client:
-            out = []
-            for record in records:
-                prompt = config.prompt.format(conversation=transcript(record))
-                body = {
-                    "model": config.model,
-                    "temperature": 0.0,
-                    "messages": [{"role": "user", "content": prompt}],
-                }
-                reply = client.post(url, json=body).raise_for_status().json()
-                out.append(parse_judge_score(reply["choices"][0]["message"]["content"]))
-            return out
+    def score(records: Sequence[TrajectoryRecord]) -> list[float | RewardFailure]:
+        limits = httpx.Limits(max_connections=config.max_concurrency)
+        with (
+            httpx.Client(timeout=config.timeout_s, transport=transport, limits=limits) as client,
+            ThreadPoolExecutor(max_workers=config.max_concurrency) as pool,
+        ):
+            return list(pool.map(lambda r: _judge_with_retries(client, config, r), records))
 
     return score
 
@@ -176,12 +235,19 @@ def apply_rewards(
         tuple[RuleRewardConfig | RewardModelRewardConfig | JudgeRewardConfig, RewardFn]
     ],
 ) -> None:
-    """Score every record with every source; record each component and the weighted total."""
+    """Score every record with every source; record each component and the weighted total.
+
+    A record a source could not score (`RewardFailure`) lacks that component, and is excluded as
+    an infrastructure failure: its total is not a reward the policy earned."""
     for record in records:
         record.reward_components.setdefault("verifier", record.reward)
     for config, fn in sources:
         for record, value in zip(records, fn(records), strict=True):
-            record.reward_components[config.name] = value
+            if isinstance(value, RewardFailure):
+                if record.excluded is None:
+                    record.excluded = f"infrastructure failure: {value.reason}"
+            else:
+                record.reward_components[config.name] = value
     weights = {config.name: config.weight for config, _ in sources}
     for record in records:
         record.reward = record.reward_components["verifier"] + sum(

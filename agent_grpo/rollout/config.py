@@ -134,3 +134,14 @@ class RolloutConfig(ConfigModel):
     """Check the provenance invariants on every record (cheap; leave on)."""
     progress: bool = True
     """Show a progress display while collecting."""
+    on_failure: Literal["exclude", "drop_group"] = "exclude"
+    """What an infrastructure failure (env or engine failure after its retry, a reward source
+    that could not score, a non-finite reward) does to its group. `exclude`: the episode alone
+    leaves the group's statistics and the loss, and the rest of the group trains, its baseline
+    the mean (and std) of the survivors; the survivors are the episodes that did not fail, so
+    when failures correlate with the outcome (long episodes time out, and long episodes are the
+    failing ones) the baseline is biased towards the easy members. `drop_group`: the whole group
+    leaves the statistics and the loss (tinker-cookbook, NeMo-RL), which removes that partial-group
+    bias but biases the batch towards tasks that never fail, and throws the survivors' samples
+    away. Excluded episodes are counted in `excluded_trajectories`, groups left with no counted
+    member in `dropped_groups`."""

@@ -3,6 +3,11 @@ and the episodes that must not count marked as such.
 
 DAPO's dynamic sampling is the one variant here (`top_up_live_groups`): it decides which groups
 are dead on the *total* reward, after every extra source, since that is what the advantage uses.
+
+Failures outside the policy are excluded episode by episode (`mark_excluded`); with
+`rollout.on_failure: drop_group` an exclusion takes its whole group with it (`drop_failed_groups`),
+as tinker-cookbook and NeMo-RL do, so no partial group is trained (RolloutConfig.on_failure
+weighs the two biases).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from agent_grpo.trajectory.record import TrajectoryRecord
 __all__ = [
     "collect",
     "collector_config",
+    "drop_failed_groups",
     "mark_excluded",
     "score",
     "step_tasks",
@@ -42,13 +48,29 @@ def step_tasks(config: TrainConfig, step: int, round_: int = 0) -> list[Task]:
 def mark_excluded(records: Sequence[TrajectoryRecord]) -> None:
     """Set `excluded` on episodes that must stay out of their group's statistics and the loss:
     infrastructure failures (their reward says nothing about the policy) and non-finite rewards
-    (they would turn the group's advantages, and then the weights, into NaN)."""
+    (they would turn the group's advantages, and then the weights, into NaN). An episode
+    already excluded (a reward source that could not score it) keeps its first reason."""
     for record in records:
+        if record.excluded is not None:
+            continue
         if record.termination.kind == "error":
             record.excluded = f"infrastructure failure: {record.termination.reason}"
         elif not math.isfinite(record.reward):
             parts = ", ".join(f"{k}={v!r}" for k, v in record.reward_components.items())
             record.excluded = f"non-finite reward {record.reward!r} ({parts})"
+
+
+def drop_failed_groups(records: Sequence[TrajectoryRecord]) -> None:
+    """Exclude every member of a group that has an excluded member (`on_failure: drop_group`),
+    naming the member that took the group down."""
+    failed: dict[str, TrajectoryRecord] = {}
+    for record in records:
+        if record.excluded is not None:
+            failed.setdefault(record.group_id, record)
+    for record in records:
+        first = failed.get(record.group_id)
+        if first is not None and record.excluded is None:
+            record.excluded = f"group dropped: member {first.index_in_group} {first.excluded}"
 
 
 def _sample(
@@ -69,6 +91,8 @@ def score(config: TrainConfig, result: RolloutResult) -> RolloutResult:
     """Score `result`'s records with every reward source and mark the exclusions (in place)."""
     apply_rewards(result.records, [(c, build_reward_fn(c)) for c in config.rewards])
     mark_excluded(result.records)
+    if config.rollout.on_failure == "drop_group":
+        drop_failed_groups(result.records)
     return result
 
 

@@ -74,6 +74,9 @@ class SignalMetrics(BaseModel):
     excluded_trajectories: int
     """Episodes left out of their group's statistics (infrastructure failure or non-finite
     reward); `error_fraction` counts the first kind alone."""
+    dropped_groups: int = 0
+    """Groups left with no counted member: out of the loss and the statistics whole (every
+    member failed, or with `rollout.on_failure: drop_group` one did)."""
     nonfinite_rewards: int
     """Episodes whose total reward was NaN or infinite."""
     duplicate_fraction: float
@@ -126,6 +129,9 @@ def signal_metrics(
         dead_groups=sum(dead[rows[0]] for rows in groups.values()),
         dead_group_fraction=_mean([float(dead[rows[0]]) for rows in groups.values()]),
         excluded_trajectories=len(records) - len(counted),
+        dropped_groups=sum(
+            not any(counts_in_group(records[i]) for i in rows) for rows in groups.values()
+        ),
         nonfinite_rewards=sum(not math.isfinite(r.reward) for r in records),
         duplicate_fraction=_duplicate_fraction(records),
         len_above_baseline=_mean([n for n, a in pairs if a > 0]),
