@@ -217,7 +217,7 @@ HEADER = """\
 # Config keys
 
 Generated from the config models by `agent-grpo config --schema > docs/config.md`
-(`tests/test_config_schema.py` fails when this page is out of date: regenerate it, never edit
+(`tests/config/test_schema.py` fails when this page is out of date: regenerate it, never edit
 it by hand). Each key can be set in the YAML file or as a `dotted.key=value` override on the
 command line; an unknown key is an error. A section chosen by `type` lists the keys of each of
 its variants, marked with the `type` they belong to; `rewards[]` are the items of a list.
