@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from agent_grpo.algo.grpo import Aggregation, KLKind
+from agent_grpo.algo.grpo import Aggregation, KLKind, advantage_scale
 from agent_grpo.config.base import ConfigModel
 
 __all__ = ["AlgoConfig"]
@@ -36,10 +36,16 @@ class AlgoConfig(ConfigModel):
     """KL estimator in the loss. As a loss, k2's expected gradient is that of KL(pi || pi_ref),
     k3's that of KL(pi_ref || pi) and k1's is zero (docstring of `agent_grpo.algo.grpo`)."""
     aggregation: Aggregation = "token-mean"
-    """How per-token losses become one number."""
+    """How per-token losses become one number: `token-mean` (DAPO) divides the minibatch's
+    summed token losses by its trained tokens; `seq-mean-token-mean` (DeepSeekMath) averages
+    each sequence's token mean; `seq-mean-token-sum-norm` (Dr. GRPO) divides by R x
+    `max_tokens`, R the sequences with a trained token: verl's mode of that name with
+    `loss_scale_factor: max_tokens`, and TRL's `loss_type: dr_grpo`. Sequences with no trained
+    token (excluded, dropped, or dead under `drop_dead_groups`) are in no denominator."""
     max_tokens: int | None = Field(default=None, ge=1)
-    """Constant normaliser of `seq-mean-token-sum-norm` (Dr. GRPO); unset, it is
-    `rollout.sampling.max_tokens` times the environment's `max_turns`."""
+    """Constant normaliser L of `seq-mean-token-sum-norm` (verl's `loss_scale_factor`, TRL's
+    `max_completion_length`); unset, it is `rollout.sampling.max_tokens` times the
+    environment's `max_turns`."""
     lr: float = Field(default=1e-5, gt=0.0)
     """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0.0)
@@ -84,9 +90,7 @@ class AlgoConfig(ConfigModel):
     @property
     def advantage_scale(self) -> Literal["group", "none"]:
         """The resolved `scale`: RLOO is unscaled unless `scale: group` is asked for."""
-        if self.scale is not None:
-            return self.scale
-        return "none" if self.leave_one_out else "group"
+        return advantage_scale(self.scale, self.leave_one_out)
 
     @property
     def single_pass(self) -> bool:

@@ -15,7 +15,19 @@ Where we depart from the papers, and why:
   `token-mean` divides the batch's token-loss sum by its number of trained tokens instead
   (DAPO's token-level loss), so a long multi-turn episode is not down-weighted per token. The
   paper's form is `seq-mean-token-mean`; Dr. GRPO's length-unbiased form is
-  `seq-mean-token-sum-norm`.
+  `seq-mean-token-sum-norm`:
+
+      loss = sum_{i in R} sum_t mask_it * l_it / (|R| * L)
+
+  R the minibatch's rows with a trained token, L the constant `algo.max_tokens`. This is verl's
+  `seq-mean-token-sum-norm` (0.9: the sum over sequences divided by the mini-batch's sequences,
+  then by `loss_scale_factor`; set that to L) and TRL's `loss_type: dr_grpo` (divided by rows
+  times `max_completion_length`), so a learning rate or a clip norm carries over. One departure
+  from both: they count every row of the batch in |R|, we leave out rows with no trained token
+  (excluded episodes, dropped groups, dead groups under `drop_dead_groups`), which is what
+  `drop_dead_groups` promises; with neither exclusions nor `drop_dead_groups` the three agree.
+  verl's default L (`loss_scale_factor: null`) is the padded response length of each
+  micro-batch, which moves from batch to batch; ours is always a constant.
 - DeepSeekMath puts the KL in the loss with the k3 estimator and beta=0.04. We default to beta=0
   (DAPO, Dr. GRPO: no reference model to keep in memory) and, when beta > 0, to k2: as a loss,
   k2's expected gradient is that of KL(pi || pi_ref), k3's is that of the reverse KL and k1's is
@@ -62,7 +74,9 @@ __all__ = [
     "Aggregation",
     "KLKind",
     "PolicyLossMetrics",
+    "advantage_scale",
     "group_advantages",
+    "has_reward_variance",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
@@ -83,12 +97,32 @@ def _group_index(group_ids: Tensor | Sequence[Hashable], device: torch.device) -
     return torch.tensor([dense.setdefault(g, len(dense)) for g in group_ids], device=device)
 
 
+def advantage_scale(
+    scale: Literal["group", "none"] | None, leave_one_out: bool
+) -> Literal["group", "none"]:
+    """The advantage scale `scale` means: unset, `none` for RLOO (as published) and `group`
+    otherwise. `group_advantages` and `AlgoConfig` both resolve it here, so the function's
+    defaults and the config's agree."""
+    if scale is not None:
+        return scale
+    return "none" if leave_one_out else "group"
+
+
+def has_reward_variance(rewards: Sequence[float]) -> bool:
+    """Whether a group's counted rewards carry signal: at least 2 of them, not all equal.
+
+    Exact equality, no tolerance: rewards that differ at all get non-zero advantages from
+    `group_advantages` (which applies this same rule to tensors), so any tolerance would call a
+    group dead that is trained."""
+    return len(rewards) >= 2 and max(rewards) != min(rewards)
+
+
 def group_advantages(
     rewards: Tensor,
     group_ids: Tensor | Sequence[Hashable],
     *,
     valid: Tensor | None = None,
-    scale: Literal["group", "none"] = "group",
+    scale: Literal["group", "none"] | None = None,
     leave_one_out: bool = False,
     eps: float = 1e-6,
 ) -> Tensor:
@@ -96,15 +130,17 @@ def group_advantages(
 
     `std_g` is the unbiased (n - 1) sample std of group g. `scale="none"` drops the division
     (Dr. GRPO). `leave_one_out=True` uses the mean of the *other* members as the baseline (RLOO),
-    `r_i - (sum_g - r_i) / (n - 1) = n / (n - 1) * (r_i - mean_g)`; RLOO as published does not
-    divide, so pair it with `scale="none"` (the config does unless told otherwise).
+    `r_i - (sum_g - r_i) / (n - 1) = n / (n - 1) * (r_i - mean_g)`. Unset, `scale` is resolved
+    by `advantage_scale`: RLOO as published does not divide, so `leave_one_out=True` alone is
+    unscaled, exactly as `AlgoConfig(leave_one_out=True)` trains.
 
     `valid` ([B] bool, default all True) marks the members that count: an invalid member (an
     infrastructure failure, a non-finite reward) is left out of its group's mean, std and `n`,
     and gets advantage exactly 0; its reward may be anything, NaN included. Groups with fewer
     than 2 valid members and groups whose valid rewards are all equal get exactly 0.
-    Group ids need not be contiguous or sorted.
+    Group ids need not be contiguous or sorted. Which groups are live is `has_reward_variance`.
     """
+    scale = advantage_scale(scale, leave_one_out)
     rewards = rewards.to(torch.float64)  # [B]; fp64: std of large, close rewards stays precise
     keep = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()  # [B]
     keep = keep & torch.isfinite(rewards)  # [B]
@@ -125,7 +161,7 @@ def group_advantages(
                                 include_self=False)  # fmt: skip  # [G]
     low = zeros.scatter_reduce(0, index, torch.where(keep, rewards, torch.inf), "amin",
                                include_self=False)  # fmt: skip  # [G]
-    degenerate = ~keep | (n < 2) | (high == low)[index]  # [B]
+    degenerate = ~keep | (n < 2) | (high == low)[index]  # [B]; not has_reward_variance
     return torch.where(degenerate, 0.0, advantages).to(torch.float32)  # [B]
 
 
@@ -217,7 +253,8 @@ def _aggregate(
     if aggregation == "seq-mean-token-sum-norm":
         if max_tokens is None:
             raise ValueError("aggregation 'seq-mean-token-sum-norm' needs max_tokens")
-        count = per_token.shape[0] * max_tokens if denominator is None else denominator
+        rows = mask.any(dim=-1).sum().clamp(min=1)  # rows with a trained token
+        count = rows * max_tokens if denominator is None else denominator
         return masked_sum(per_token, mask) / count
     raise ValueError(f"unknown aggregation {aggregation!r}")
 
@@ -276,8 +313,9 @@ def policy_loss(
     - `token-mean`: `sum(l) / number of masked tokens`.
     - `seq-mean-token-mean`: mean over sequences of each one's masked-token mean; sequences with
       no masked token are left out.
-    - `seq-mean-token-sum-norm`: `sum(l) / (B * max_tokens)` (Dr. GRPO).
-    `denominator` replaces the divisor (tokens, sequences, or `B * max_tokens`): with gradient
+    - `seq-mean-token-sum-norm`: `sum(l) / (R * max_tokens)`, R the sequences with a masked
+      token (Dr. GRPO; verl's mode of that name, TRL's `dr_grpo`: module docstring).
+    `denominator` replaces the divisor (tokens, sequences, or `R * max_tokens`): with gradient
     accumulation over micro-batches, pass the whole batch's count so the summed micro-batch
     losses equal the loss of the whole batch.
     """

@@ -20,14 +20,16 @@ __all__ = ["MicroBatchLoss", "grpo_micro_batch_loss", "loss_denominator"]
 
 def loss_denominator(loss_mask: Tensor, algo: AlgoConfig, max_tokens: int) -> int:
     """What the summed token losses of a `[B, T]` batch are divided by: its model tokens
-    (`token-mean`), its rows with a model token (`seq-mean-token-mean`) or its rows times the
-    constant `max_tokens` (`seq-mean-token-sum-norm`). May be 0; callers clamp it after summing
-    over ranks."""
+    (`token-mean`), its rows with a model token (`seq-mean-token-mean`) or those rows times the
+    constant `max_tokens` (`seq-mean-token-sum-norm`). Rows with no token in the loss (excluded
+    episodes, dropped groups, dead groups under `drop_dead_groups`) are in no denominator. May
+    be 0; callers clamp it after summing over ranks."""
     if algo.aggregation == "token-mean":
         return int(loss_mask.sum())
+    rows = int(loss_mask.any(dim=1).sum())
     if algo.aggregation == "seq-mean-token-mean":
-        return int(loss_mask.any(dim=1).sum())
-    return loss_mask.shape[0] * max_tokens
+        return rows
+    return rows * max_tokens
 
 
 @dataclass(frozen=True)

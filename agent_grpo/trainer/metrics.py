@@ -17,7 +17,7 @@ from dataclasses import astuple, dataclass, fields
 import torch
 from pydantic import BaseModel
 
-from agent_grpo.algo.grpo import PolicyLossMetrics
+from agent_grpo.algo.grpo import PolicyLossMetrics, has_reward_variance
 from agent_grpo.rollout.summary import TrajectorySummary
 from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
@@ -52,13 +52,13 @@ def _groups(records: Sequence[TrajectoryRecord]) -> dict[str, list[int]]:
     return groups
 
 
-def dead_group_mask(records: Sequence[TrajectoryRecord], tol: float = 1e-9) -> list[bool]:
-    """Per record: True when its group carries no signal: fewer than 2 members count, or every
-    counted member got the same total reward."""
+def dead_group_mask(records: Sequence[TrajectoryRecord]) -> list[bool]:
+    """Per record: True when its group carries no signal (`has_reward_variance` of its counted
+    members' total rewards, the rule `group_advantages` applies)."""
     dead = [False] * len(records)
     for rows in _groups(records).values():
         rewards = [records[i].reward for i in rows if counts_in_group(records[i])]
-        flat = len(rewards) < 2 or max(rewards) - min(rewards) <= tol
+        flat = not has_reward_variance(rewards)
         for i in rows:
             dead[i] = flat
     return dead
@@ -145,23 +145,25 @@ def signal_metrics(
 class LogprobMismatch(BaseModel):
     """|trainer - sampler| logprob over model tokens, the trainer taken before the update."""
 
-    logprob_mismatch_mean: float
-    """Mean over the tokens both scored."""
-    logprob_mismatch_max: float
-    """Largest over the tokens both scored."""
+    logprob_mismatch_mean: float | None
+    """Mean over the tokens both scored; None (not measured) when there were none."""
+    logprob_mismatch_max: float | None
+    """Largest over the tokens both scored; None (not measured) when there were none."""
 
 
 def logprob_mismatch(
     trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor
 ) -> LogprobMismatch:
     """Mean and max |trainer - sampler| over `mask` ([B, T] each); tokens the trainer did not
-    score (NaN: rows skipped for zero advantage) are left out."""
+    score (NaN: rows skipped for zero advantage) are left out. No token scored: None, since 0.0
+    would read as perfect agreement."""
     mask = mask & torch.isfinite(trainer) & torch.isfinite(sampler)  # [B, T]
     diff = torch.where(mask, (trainer - sampler).abs(), 0.0)  # [B, T]
     count = int(mask.sum())
+    if count == 0:
+        return LogprobMismatch(logprob_mismatch_mean=None, logprob_mismatch_max=None)
     return LogprobMismatch(
-        logprob_mismatch_mean=float(diff.sum()) / max(1, count),
-        logprob_mismatch_max=float(diff.max()) if count else 0.0,
+        logprob_mismatch_mean=float(diff.sum()) / count, logprob_mismatch_max=float(diff.max())
     )
 
 
@@ -246,7 +248,9 @@ class UpdateMetrics(BaseModel):
     tis_clip_frac: float
     """Trained tokens whose truncated importance weight hit `tis_cap` (0 without TIS)."""
     trained_tokens: float
-    """Model tokens in the loss, per optimizer step."""
+    """Model tokens in the loss mask of the minibatch, per optimizer step: those whose loss
+    terms enter the objective's denominator, whether or not `skip_zero_advantage` ran their
+    forward pass (zero-advantage rows count; excluded and dropped rows do not)."""
     optimizer_steps: int
     """Optimizer steps taken (epochs x minibatches, less any skipped)."""
     skipped_steps: int
@@ -254,9 +258,15 @@ class UpdateMetrics(BaseModel):
 
     @classmethod
     def of_step(
-        cls, stats: UpdateStats, grad_norm: float, has_ref: bool, skipped: bool
+        cls,
+        stats: UpdateStats,
+        grad_norm: float,
+        has_ref: bool,
+        skipped: bool,
+        trained_tokens: float,
     ) -> UpdateMetrics:
-        """The metrics of one optimizer step from its (all-reduced) `stats`."""
+        """The metrics of one optimizer step from its (all-reduced) `stats` and its loss-mask
+        token count (`trained_tokens`; `stats.tokens` counts only the rows that were run)."""
         n = stats.tokens or 1.0
         low, high = stats.clip_low / n, stats.clip_high / n
         return cls(
@@ -271,7 +281,7 @@ class UpdateMetrics(BaseModel):
             ratio_min=-stats.neg_ratio_min if stats.tokens else 1.0,
             ratio_max=stats.ratio_max if stats.tokens else 1.0,
             tis_clip_frac=stats.tis_capped / n,
-            trained_tokens=stats.tokens,
+            trained_tokens=trained_tokens,
             optimizer_steps=0 if skipped else 1,
             skipped_steps=1 if skipped else 0,
         )

@@ -92,6 +92,9 @@ def minibatch_update(
     ctx = ctx or DistContext()
     rows = shard_rows(batch.input_ids.shape[0], ctx, batch.group_index)
     denominator = _minibatch_scale(batch, rows, algo, max_tokens, ctx)
+    # every loss-mask token, run or skipped: `skip_zero_advantage` must not change the count
+    local_tokens = batch.loss_mask[rows].sum() if rows else torch.tensor(0)
+    trained_tokens = float(global_sum(local_tokens.to(torch.float64), ctx))
     # with beta = 0 (no ref), a zero-advantage row adds exactly 0: its forward pass is skipped
     skip = algo.skip_zero_advantage and ref is None
     micro = _micro_batches(batch, rows_with_loss(batch, skip_zero_advantage=skip, rows=rows),
@@ -148,7 +151,7 @@ def minibatch_update(
         else:
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    metrics = UpdateMetrics.of_step(stats, grad_norm, ref is not None, skipped)
+    metrics = UpdateMetrics.of_step(stats, grad_norm, ref is not None, skipped, trained_tokens)
     return metrics, _gather_rows(seen, written, ctx)
 
 
