@@ -13,6 +13,10 @@ Piped, the view is `PIPED_WIDTH` columns wide unless COLUMNS says otherwise; wit
 out. Each group's caption is the baseline its advantages used (`agent_grpo.inspect.baseline`),
 over the whole group even when a filter shows only some of its members.
 
+Every recorded text (messages, tool calls and results, tokens, reasons) is printed through
+`agent_grpo.inspect.visible`: control characters in tool output are shown as escapes, never obeyed
+by the terminal, piped or not.
+
 `--verify` checks each record itself (torn lines, content hash, token invariants, duplicates,
 complete groups), then replays the environment from the record's seed with the recorded assistant
 texts and checks that it reproduces every observation and the reward (`agent_grpo.inspect.verify`),
@@ -48,6 +52,7 @@ from agent_grpo.inspect.curves import (
 )
 from agent_grpo.inspect.verify import print_report, verify_lines
 from agent_grpo.inspect.verify_run import check_run
+from agent_grpo.inspect.visible import visible, visible_text
 from agent_grpo.run_dir.manifest import run_key
 from agent_grpo.run_dir.writer import RecordFilter, RunWriter, StoredLine, select_entries
 from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
@@ -166,7 +171,8 @@ def _num(value: float | None, fmt: str = ".4f") -> str:
 
 def _header(record: TrajectoryRecord) -> Table:
     table = Table.grid(padding=(0, 2))
-    table.add_row("uid", record.uid, "step", str(record.step), "task", record.task_id)
+    table.add_row("uid", visible_text(record.uid), "step", str(record.step), "task",
+                  visible_text(record.task_id))  # fmt: skip
     table.add_row(
         "reward",
         _num(record.reward),
@@ -178,9 +184,9 @@ def _header(record: TrajectoryRecord) -> Table:
     term = record.termination
     table.add_row(
         "termination",
-        f"{term.kind} ({term.reason})",
+        visible_text(f"{term.kind} ({term.reason})"),
         "env",
-        record.env_id,
+        visible_text(record.env_id),
         "seed",
         str(record.seed),
     )
@@ -196,11 +202,11 @@ def _tool_calls_table(record: TrajectoryRecord, turn_index: int) -> Table | None
     for call in calls:
         args = call.raw if call.arguments is None else json.dumps(call.arguments)
         outcome = (
-            Text(call.result or "")
+            visible_text(call.result or "")
             if call.error is None
-            else Text(f"[{call.error_kind}] {call.error}", style="red")
+            else visible_text(f"[{call.error_kind}] {call.error}", style="red")
         )
-        table.add_row(call.name, args, outcome)
+        table.add_row(visible_text(call.name), visible_text(args), outcome)
     return table
 
 
@@ -215,20 +221,21 @@ def _conversation(record: TrajectoryRecord, prompt: bool = True) -> list[Rendera
     for i, message in enumerate(record.messages):
         if i < record.prompt_messages_count:
             if prompt:
-                parts.append(
-                    Panel(Text(message.content), title=f"prompt: {message.role}", style="grey62")
-                )
+                title = visible_text(f"prompt: {message.role}")
+                parts.append(Panel(visible_text(message.content), title=title, style="grey62"))
         elif message.role == "assistant":
             detail = [t for t in record.turns if t.index == turn]
             finish = f", finish={detail[0].finish_reason}" if detail else ""
-            body: list[RenderableType] = [Text(message.content, style="green")]
+            body: list[RenderableType] = [visible_text(message.content, style="green")]
             calls = _tool_calls_table(record, turn)
             body += [calls] if calls is not None else []
-            parts.append(Panel(Group(*body), title=f"turn {turn}: assistant{finish}"))
+            title = visible_text(f"turn {turn}: assistant{finish}")
+            parts.append(Panel(Group(*body), title=title))
             turn += 1
         else:
             name = f" ({message.name})" if message.name else ""
-            parts.append(Panel(Text(message.content, style="cyan"), title=f"{message.role}{name}"))
+            title = visible_text(f"{message.role}{name}")
+            parts.append(Panel(visible_text(message.content, style="cyan"), title=title))
     return parts
 
 
@@ -240,7 +247,7 @@ def _outcome(record: TrajectoryRecord) -> Panel:
         f"lengths {record.lengths.model_dump_json()}",
         f"malformed tool calls {record.malformed_tool_calls}",
     ]
-    return Panel(Text("\n".join(lines)), title="outcome")
+    return Panel(visible_text("\n".join(lines)), title="outcome")
 
 
 def _legend(plain: bool = False) -> Text:
@@ -263,10 +270,11 @@ def _inline_tokens(rows: Sequence[TokenRow], plain: bool = False) -> Text:
         if plain:
             if row.provenance is not previous:
                 text.append(PLAIN_MARKS[row.provenance])
-            text.append(row.text.join(CLIPPED_MARKS) if row.clipped else row.text)
+            shown = visible(row.text)
+            text.append(shown.join(CLIPPED_MARKS) if row.clipped else shown)
         else:
             style = CLIPPED_STYLE if row.clipped else PROVENANCE_STYLES[row.provenance]
-            text.append(row.text, style=style)
+            text.append(visible(row.text), style=style)
         previous = row.provenance
     return text
 
@@ -288,7 +296,7 @@ def _token_table(rows: Sequence[TokenRow], title: str) -> Table:
         table.add_row(
             str(r.index),
             str(r.token_id),
-            Text(repr(r.text)[1:-1], style=PROVENANCE_STYLES[r.provenance]),
+            visible_text(repr(r.text)[1:-1], style=PROVENANCE_STYLES[r.provenance]),
             _num(r.sampler),
             _num(r.old),
             _num(r.ref),
@@ -334,7 +342,8 @@ def render_trajectory(
         top = top_disagreements(rows, top_k)
         if top:
             parts.append(_token_table(top, f"top {len(top)} sampler/trainer disagreements"))
-    return Panel(Group(*parts), title=f"trajectory {record.uid} (step {record.step})")
+    title = visible_text(f"trajectory {record.uid} (step {record.step})")
+    return Panel(Group(*parts), title=title)
 
 
 def render_group(
@@ -343,7 +352,8 @@ def render_group(
     """A group's samples side by side: reward, advantage, success, termination, lengths. The
     caption is `baseline`: by default that of `records` under GRPO's default norm."""
     baseline = baseline or group_baseline(records)
-    title = f"group {records[0].group_id} (step {records[0].step})" if records else "group"
+    title = visible_text(f"group {records[0].group_id} (step {records[0].step})" if records
+                         else "group")  # fmt: skip
     table = Table(
         "sample", "reward", "advantage", "success", "termination", "turns", "model tok",
         "tool calls", "tool errors", "excluded", title=title, caption=baseline.caption(),
@@ -353,7 +363,7 @@ def render_group(
         table.add_row(
             str(r.index_in_group), _num(r.reward), _num(r.advantage, "+.4f"), str(r.success),
             r.termination.kind, str(len(r.turns)), str(sum(r.loss_mask)), str(len(calls)),
-            str(sum(c.error is not None for c in calls)), r.excluded or "",
+            str(sum(c.error is not None for c in calls)), visible_text(r.excluded or ""),
         )  # fmt: skip
     return table
 

@@ -29,6 +29,7 @@ from typing import Any
 from rich.console import Console
 
 from agent_grpo.inspect.curves import Divergence, verify_record
+from agent_grpo.inspect.visible import visible
 from agent_grpo.run_dir.writer import StoredLine
 from agent_grpo.trajectory.invariants import check_invariants
 from agent_grpo.trajectory.record import TrajectoryRecord
@@ -238,5 +239,6 @@ def print_report(console: Console, report: VerifyReport, run_lines: Sequence[str
     lines = [text for v in report.verdicts for text in _verdict_lines(v)]
     incomplete = [f"verify {m}" for m in report.incomplete]
     for text in [*lines, *incomplete, *run_lines, report.summary()]:
-        # No markup: recorded text is full of brackets that rich would read as style tags.
-        console.print(text, markup=False, highlight=False, soft_wrap=True)
+        # No markup: recorded text is full of brackets that rich would read as style tags; and
+        # its control characters are shown, not obeyed (agent_grpo.inspect.visible).
+        console.print(visible(text), markup=False, highlight=False, soft_wrap=True)
