@@ -35,13 +35,21 @@ def as_config(cls: type[C], config: ConfigLike, overrides: Sequence[str] = ()) -
     return validate_config(cls, apply_overrides(data, list(overrides)), f"<{cls.__name__}>")
 
 
-def train(config: ConfigLike, *, overrides: Sequence[str] = (), resume: bool = False) -> Run:
+def train(
+    config: ConfigLike,
+    *,
+    overrides: Sequence[str] = (),
+    resume: bool = False,
+    accept_config_change: bool = False,
+) -> Run:
     """Train as `agent-grpo train` does (base eval, warm start, GRPO, final eval); returns the
-    run. `resume` continues the run named by `run.name` from its last checkpoint."""
+    run. `resume` continues the run named by `run.name` from its last checkpoint, refusing a
+    changed config unless `accept_config_change` (then recorded in the run directory)."""
     from agent_grpo.config.jobs import TrainConfig
     from agent_grpo.trainer.loop import train as train_job
 
-    return Run(train_job(as_config(TrainConfig, config, overrides), resume=resume))
+    config = as_config(TrainConfig, config, overrides)
+    return Run(train_job(config, resume=resume, accept_config_change=accept_config_change))
 
 
 def evaluate(config: ConfigLike, *, overrides: Sequence[str] = ()) -> Run:

@@ -33,7 +33,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     config = load_config(TrainConfig, args.config, args.overrides)
     _quiet_transformers()
-    print(train(config, resume=args.resume))
+    print(train(config, resume=args.resume, accept_config_change=args.accept_config_change))
     return 0
 
 
@@ -89,6 +89,10 @@ def build_parser(*, with_replay: bool = True) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = _add_config_command(sub, "train", "train a policy with GRPO", _cmd_train)
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    train.add_argument(
+        "--accept-config-change", action="store_true",
+        help="with --resume: continue with a changed config (recorded in config-changes.jsonl)",
+    )  # fmt: skip
     _add_config_command(sub, "eval", "evaluate a model on held-out seeds", _cmd_eval)
     sub.add_parser("envs", help="list registered environments").set_defaults(func=_cmd_envs)
     config = sub.add_parser("config", help="describe the config keys")
@@ -115,6 +119,18 @@ def build_parser(*, with_replay: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed, with `dotted.key=value` overrides taken wherever they stand: argparse ends
+    a `nargs="*"` positional at the first flag, so `train CFG --resume steps=3` would leave
+    `steps=3` unrecognised."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `agent-grpo` command; its exit status.
 
@@ -124,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     setup_logging()
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(with_replay=argv[:1] != ["model"]).parse_args(argv)
+    args = parse_args(build_parser(with_replay=argv[:1] != ["model"]), argv)
     if args.func is not _cmd_train:
         return _run(args)
     from agent_grpo.trainer.parallel import end_rank, launched_world_size

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from agent_grpo.algo.grpo import group_advantages
+from agent_grpo.config.base import ConfigError
 from agent_grpo.config.jobs import AlgoConfig, TrainConfig
 from agent_grpo.evaluation.in_training import print_summary, run_eval
 from agent_grpo.faults import crash_point
@@ -54,6 +55,7 @@ from agent_grpo.trainer.metrics import (
 )
 from agent_grpo.trainer.parallel import broadcast_object
 from agent_grpo.trainer.progress import RunProgress
+from agent_grpo.trainer.resume import check_resume, record_changes
 from agent_grpo.trainer.setup import RunStart, resolve_max_tokens, set_up, start_distributed
 from agent_grpo.trainer.step_log import DeadStepWatch, open_tensorboard, record_step
 from agent_grpo.trainer.trainer import Trainer, push_weights, share_rollout
@@ -192,13 +194,18 @@ def checkpoint_due(config: TrainConfig, done: int, saved_at: float) -> bool:
     return done == config.steps or by_steps or by_time
 
 
-def train(config: TrainConfig, *, resume: bool = False) -> Path:
-    """Run the whole job described by `config`; returns the run directory.
+def train(config: TrainConfig, *, resume: bool = False, accept_config_change: bool = False) -> Path:
+    """Run the whole job described by `config`; returns the run directory. `resume` continues
+    the run `run.name` from its newest checkpoint, with the config it started with unless
+    `accept_config_change` (trainer/resume.py).
 
     Under torchrun every rank runs this: rank 0 alone samples, evaluates and writes the run
     directory, and every rank takes part in each update.
     """
     preflight_train(config)  # a config mistake is one line here, before any model or run dir
+    if accept_config_change and not resume:
+        raise ConfigError("accept_config_change (--accept-config-change) needs --resume")
+    changes = check_resume(config, accept_config_change=accept_config_change) if resume else []
     ctx = start_distributed(config)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
@@ -206,6 +213,8 @@ def train(config: TrainConfig, *, resume: bool = False) -> Path:
     display = RunProgress(config.steps) if ctx.is_main else RunProgress.off()
     with display as progress:
         start = set_up(config, resume, ctx, progress)
+        if start.run is not None:
+            record_changes(start.run.path, start.state.step, changes)
         _loop(config, start, max_tokens, progress)
         _finish(config, start, progress)
     # Rank 0's directory on every rank: it may have taken a fresh name (`setup.open_run`).
