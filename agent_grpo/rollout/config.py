@@ -1,6 +1,6 @@
 """The configs of rollouts: the generation backend (a discriminated union on `type`) and how
-groups are sampled. The collector takes `RolloutConfig` itself; training and evaluation build
-one each.
+groups are sampled: what a user sets. The collector takes its own arguments
+(`collector.CollectOptions`), built from this config by training and set directly by evaluation.
 """
 
 from __future__ import annotations
@@ -130,10 +130,6 @@ class RolloutConfig(ConfigModel):
     stop_on_env_error: bool = False
     """Stop at the first env step or verifier that raises or hangs (after its one retry), with
     the env, the seed and the model's action, instead of recording the episode as an error."""
-    check_invariants: bool = True
-    """Check the provenance invariants on every record (cheap; leave on)."""
-    progress: bool = True
-    """Show a progress display while collecting."""
     on_failure: Literal["exclude", "drop_group"] = "exclude"
     """What an infrastructure failure (env or engine failure after its retry, a reward source
     that could not score, a non-finite reward) does to its group. `exclude`: the episode alone

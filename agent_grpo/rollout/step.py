@@ -21,8 +21,7 @@ from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.envs.text_env import train_seeds
 from agent_grpo.rewards import apply_rewards, build_reward_fn
 from agent_grpo.rollout.backends.base import GenerationBackend
-from agent_grpo.rollout.collector import RolloutResult, Task, collect_groups
-from agent_grpo.rollout.config import RolloutConfig
+from agent_grpo.rollout.collector import CollectOptions, RolloutResult, Task, collect_groups
 from agent_grpo.trainer.metrics import dead_group_mask
 from agent_grpo.trajectory.record import TrajectoryRecord
 
@@ -77,7 +76,7 @@ def _sample(
     config: TrainConfig,
     backend: GenerationBackend,
     tokenizer: Any,
-    collector: RolloutConfig,
+    collector: CollectOptions,
     tasks: list[Task],
     step_id: int,
 ) -> RolloutResult:
@@ -96,13 +95,10 @@ def score(config: TrainConfig, result: RolloutResult) -> RolloutResult:
     return result
 
 
-def collector_config(config: TrainConfig, stop: list[str]) -> RolloutConfig:
-    """The rollout config the collector gets: the env's stop strings unless the config names
-    some, and no progress bar of its own (the run's display shows the rollout phase)."""
-    sampling = config.rollout.sampling.model_copy(
-        update={"stop": config.rollout.sampling.stop or stop}
-    )
-    return config.rollout.model_copy(update={"sampling": sampling, "progress": False})
+def collector_config(config: TrainConfig, stop: list[str]) -> CollectOptions:
+    """The collector's options for a training step: the env's stop strings unless the config
+    names some, and no progress bar of its own (the run's display shows the rollout phase)."""
+    return CollectOptions.from_config(config.rollout, stop=stop)
 
 
 def collect(

@@ -18,13 +18,15 @@ import torch
 from pydantic import BaseModel
 
 from agent_grpo.algo.grpo import PolicyLossMetrics, has_reward_variance
-from agent_grpo.rollout.summary import TrajectorySummary
+from agent_grpo.rollout.collector import RolloutResult
+from agent_grpo.rollout.summary import TrajectorySummary, summarize_trajectories
 from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
 __all__ = [
     "LogprobMismatch",
     "SignalMetrics",
     "StepMetrics",
+    "StepTimes",
     "UpdateMetrics",
     "UpdateStats",
     "counts_in_group",
@@ -32,6 +34,7 @@ __all__ = [
     "logprob_mismatch",
     "reward_means",
     "signal_metrics",
+    "step_metrics",
 ]
 
 
@@ -385,3 +388,57 @@ def reward_means(records: Sequence[TrajectoryRecord]) -> dict[str, float]:
         name: _mean([r.reward_components[name] for r in counted if name in r.reward_components])
         for name in names
     }
+
+
+@dataclass
+class StepTimes:
+    """Seconds of each phase of one step, as the loop measured them."""
+
+    rollout_wait: float
+    """Waiting for the step's rollouts (what sampling ahead did not hide)."""
+    old_logprobs: float
+    """The trainer's pi_old pass before the update."""
+    reference: float
+    """The pi_ref pass."""
+    update: float
+    """The optimizer steps."""
+    weight_push: float
+    """Giving the engines the new weights."""
+    step: float
+    """The whole step."""
+
+
+def step_metrics(
+    step: int,
+    records: Sequence[TrajectoryRecord],
+    advantages: Sequence[float],
+    rollout: RolloutResult,
+    update: UpdateMetrics,
+    mismatch: LogprobMismatch,
+    times: StepTimes,
+    staleness: dict[int, int],
+) -> StepMetrics:
+    """The step's `metrics.jsonl` row from what the step produced."""
+    return StepMetrics(
+        step=step,
+        rollout=summarize_trajectories(records),
+        signal=signal_metrics(records, advantages),
+        mismatch=mismatch,
+        update=update,
+        rollout_tokens_per_s=rollout.metrics.tokens_per_s,
+        rollout_model_time_s=rollout.metrics.model_time_s,
+        rollout_env_time_s=rollout.metrics.env_time_s,
+        tool_errors=rollout.metrics.tool_errors,
+        env_retries=rollout.metrics.env_retries,
+        env_failures=rollout.metrics.env_failures,
+        step_time_s=times.step,
+        rollout_wait_time_s=times.rollout_wait,
+        old_logprobs_time_s=times.old_logprobs,
+        reference_time_s=times.reference,
+        update_time_s=times.update,
+        weight_push_time_s=times.weight_push,
+        reward_means=reward_means(records),
+        staleness=staleness,
+        stale_dropped=rollout.metrics.stale_dropped,
+        worker_failures=rollout.metrics.worker_failures,
+    )
