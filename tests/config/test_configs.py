@@ -10,6 +10,7 @@ from agent_grpo.config.base import ConfigError, load_config
 from agent_grpo.config.jobs import EvalRunConfig, TrainConfig, VLLMBackendConfig
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+TINY = Path(__file__).parents[2] / "configs/calculator-tiny.yaml"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -61,3 +62,20 @@ def test_training_on_a_remote_server_is_refused(tmp_path: Path) -> None:
     path.write_text("rollout:\n  backend: {type: openai, base_url: http://x, model: m}\n")
     with pytest.raises(ConfigError, match="cannot receive the trainer's weights"):
         load_config(TrainConfig, path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algo.old_logprobs=sampler", "algo.tis_cap=2.0"], "weights would all be 1"),
+        (["algo.max_tokens=100"], "would be ignored"),
+        (["rollout.group_size=1"], "group of one never learns"),
+        (["steps=-1"], "steps"),
+        (["algo.minibatches=5"], "some minibatches"),
+        (["model.device=gpu"], "model.device"),
+        (["algo.epochs=0"], "algo.epochs"),
+    ],
+)
+def test_meaningless_settings_are_refused_before_any_model_work(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(TrainConfig, TINY, overrides)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from agent_grpo.testing.backends import ScriptedBackend
 from agent_grpo.tools.tool import tool
 from agent_grpo.trajectory.invariants import check_invariants
 from agent_grpo.trajectory.record import Provenance
+from agent_grpo.trajectory.tokens import ChatTemplateError
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'
 
@@ -241,3 +243,20 @@ def test_hf_backend_trajectories_pass_the_invariants_on_every_env(tokenizer, tin
     assert len(records) == 2 and all(r.lengths.model > 0 for r in records)
     for record in records:
         check_invariants(record, tokenizer)
+
+
+def test_a_chat_template_that_fails_to_render_stops_the_rollout(tokenizer) -> None:
+    # an error of the template is the setup's, not the episode's: no group of reward-0 episodes
+    broken = copy.deepcopy(tokenizer)
+    broken.chat_template = (
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool role') }}"
+        "{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    backend = ScriptedBackend(broken, [CALL, "The answer is 408."])
+    config = CollectOptions.from_config(
+        RolloutConfig(group_size=2, sampling={"max_tokens": 64})  # type: ignore[arg-type]
+    )
+    tasks = [Task(env_id="agent_grpo/Calculator-v0", seed=1)]
+    with pytest.raises(ChatTemplateError, match="no tool role"):
+        collect_groups(tasks, backend, broken, config)

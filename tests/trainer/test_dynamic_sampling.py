@@ -1,4 +1,5 @@
-"""DAPO dynamic sampling: dead groups are dropped and fresh tasks refill the batch."""
+"""DAPO dynamic sampling: dead groups (no variance of the total reward) are dropped and fresh
+tasks refill the batch."""
 
 from __future__ import annotations
 
@@ -6,17 +7,11 @@ from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.rollout import step as train
 from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult, Task
 from agent_grpo.rollout.sources import LocalRollouts
+from agent_grpo.testing import reward_rules
+from agent_grpo.testing.records import minimal_record
 from agent_grpo.trainer.metrics import dead_group_mask
-from agent_grpo.trajectory.record import Lengths, Message, Termination, TrajectoryRecord
 
-
-def record(group: str, index: int, reward: float) -> TrajectoryRecord:
-    return TrajectoryRecord(
-        group_id=group, task_id=group, index_in_group=index, group_size=2, env_id="e", seed=0,
-        messages=[Message(role="user", content="q")], token_ids=[], provenance=[],
-        sampler_logprobs=[], reward=reward,
-        termination=Termination(kind="terminated", reason="t"), lengths=Lengths(),
-    )  # fmt: skip
+MEMBER_INDEX = f"{reward_rules.__name__}:member_index"
 
 
 def test_dead_groups_are_replaced_by_live_ones(monkeypatch) -> None:
@@ -26,7 +21,7 @@ def test_dead_groups_are_replaced_by_live_ones(monkeypatch) -> None:
         calls.append(step)
         # odd seeds give a live group (rewards 0 and 1), even seeds a dead one (0 and 0)
         records = [
-            record(f"s{step}-t{t}", i, float(i) if task.seed % 2 else 0.0)
+            minimal_record(f"s{step}-t{t}", i, float(i) if task.seed % 2 else 0.0, group_size=2)
             for t, task in enumerate(tasks)
             for i in range(2)
         ]
@@ -46,7 +41,11 @@ def test_dead_groups_are_replaced_by_live_ones(monkeypatch) -> None:
 
 def test_without_dynamic_sampling_the_batch_is_kept_as_sampled(monkeypatch) -> None:
     def fake_collect_groups(tasks: list[Task], *args, step: int, run_id: str) -> RolloutResult:
-        records = [record(f"t{t}", i, 0.0) for t in range(len(tasks)) for i in range(2)]
+        records = [
+            minimal_record(f"t{t}", i, 0.0, group_size=2)
+            for t in range(len(tasks))
+            for i in range(2)
+        ]
         return RolloutResult(records=records, metrics=RolloutMetrics())
 
     monkeypatch.setattr(train, "collect_groups", fake_collect_groups)
@@ -61,7 +60,7 @@ def test_the_local_engine_frees_its_caches_once_the_whole_collection_is_done(mon
     def fake_collect_groups(tasks: list[Task], *args, step: int, run_id: str) -> RolloutResult:
         events.append("round")
         records = [
-            record(f"s{step}-t{t}", i, float(i) if task.seed % 2 else 0.0)
+            minimal_record(f"s{step}-t{t}", i, float(i) if task.seed % 2 else 0.0, group_size=2)
             for t, task in enumerate(tasks)
             for i in range(2)
         ]
@@ -104,3 +103,24 @@ def test_an_evaluation_frees_the_engine_caches_before_training_goes_on(monkeypat
     config = TrainConfig.model_validate({"eval": {"tasks": 2, "samples": 2}})
     assert evaluation.run_eval(config, Engine(), None, [], "base") is result  # type: ignore[arg-type]
     assert events == ["eval", "free"]
+
+
+def test_dynamic_sampling_keeps_groups_alive_by_an_extra_reward(monkeypatch) -> None:
+    # the verifier's reward is 0 for every member, the member-index rule makes each group live
+    calls: list[int] = []
+
+    def verifier_zero(tasks: list[Task], *args, step: int, run_id: str) -> RolloutResult:
+        calls.append(step)
+        records = [minimal_record(f"s{step}-t{t}", i, 0.0, group_size=2)
+                   for t in range(len(tasks)) for i in range(2)]  # fmt: skip
+        return RolloutResult(records=records, metrics=RolloutMetrics())
+
+    monkeypatch.setattr(train, "collect_groups", verifier_zero)
+    config = TrainConfig.model_validate({
+        "rollout": {"tasks_per_step": 2, "group_size": 2},
+        "algo": {"dynamic_sampling": True},
+        "rewards": [{"type": "rule", "name": "idx", "function": MEMBER_INDEX}],
+    })  # fmt: skip
+    result = train.collect(config, None, None, [], step=0)  # type: ignore[arg-type]
+    assert calls == [0]  # the verifier alone says dead; the total reward says alive
+    assert [r.reward for r in result.records] == [0.0, 1.0, 0.0, 1.0]

@@ -1,5 +1,5 @@
-"""The trainer's fast paths (shared prompt pass, skipped zero-advantage rows, micro-batching)
-give the same update as the plain computation."""
+"""The update: its fast paths (shared prompt pass, skipped zero-advantage rows, micro-batching)
+give the same update as the plain computation; a non-finite loss never reaches the weights."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import copy
 
 import torch
 
-from agent_grpo.config.jobs import AlgoConfig
-from agent_grpo.testing.records import group_records
+from agent_grpo.config.jobs import AlgoConfig, SpeedConfig
+from agent_grpo.testing.records import group_records, minimal_record
 from agent_grpo.trainer.batch import pack_records
 from agent_grpo.trainer.parallel import DistContext, wrap_policy
 from agent_grpo.trainer.update import minibatch_update
-from agent_grpo.trajectory.record import TrajectoryRecord
+from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
 
 def update(model: torch.nn.Module, algo: AlgoConfig, records: list[TrajectoryRecord]):
@@ -34,8 +34,12 @@ def test_fast_paths_give_the_plain_update(tiny_model) -> None:
     records = group_records("a", ids(17), [ids(5), ids(3), ids(6)], [1.0, -0.5, -0.5])
     records += group_records("b", ids(11), [ids(4), ids(4)], [0.0, 0.0])  # a dead group
     records += group_records("c", ids(20), [ids(2), ids(7)], [0.7, -0.7])
-    plain = AlgoConfig(shared_prefix=False, skip_zero_advantage=False, micro_batch_tokens=10**6)
-    fast = AlgoConfig(shared_prefix=True, skip_zero_advantage=True, micro_batch_tokens=40)
+    plain = AlgoConfig(
+        speed=SpeedConfig(shared_prefix=False, skip_zero_advantage=False, micro_batch_tokens=10**6)
+    )
+    fast = AlgoConfig(
+        speed=SpeedConfig(shared_prefix=True, skip_zero_advantage=True, micro_batch_tokens=40)
+    )
     slow_model, slow_metrics, slow_seen = update(model, plain, records)
     fast_model, fast_metrics, fast_seen = update(model, fast, records)
     assert abs(slow_metrics["loss"] - fast_metrics["loss"]) < 1e-6
@@ -46,3 +50,20 @@ def test_fast_paths_give_the_plain_update(tiny_model) -> None:
     assert torch.isnan(fast_seen[3:5]).all() and not torch.isnan(slow_seen[3, 11:15]).any()
     scored = ~torch.isnan(fast_seen)
     assert torch.allclose(fast_seen[scored], slow_seen[scored], atol=1e-5)
+
+
+def test_a_non_finite_loss_skips_the_optimizer_step(tiny_model) -> None:
+    model, _ = tiny_model
+    tokens = {"token_ids": [5, 6, 7], "provenance": [Provenance.PROMPT] + [Provenance.MODEL] * 2}
+    records = [minimal_record("a", i, float(i), group_size=3, **tokens) for i in range(3)]
+    batch = pack_records(records, 2, [1.0, -1.0, 0.5])
+    old = torch.full(batch.input_ids.shape, -1.0)
+    old[0, 1] = float("nan")  # pi_old of one model token is NaN: the loss is NaN
+    policy = wrap_policy(model, "none", DistContext())
+    before = copy.deepcopy(model.state_dict())
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    metrics, _ = minibatch_update(policy, optimizer, batch, old, None, AlgoConfig(), 1.0, 16)
+    assert metrics.skipped_steps == 1 and metrics.optimizer_steps == 0
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert not optimizer.state  # AdamW's moments were never touched either

@@ -1,0 +1,97 @@
+"""The training loop: group advantages of the step's records (excluded members left out, rewards
+in fp64, RLOO as published), the pi_old it records and where the loss's tensors live."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent_grpo.config.base import load_config
+from agent_grpo.config.jobs import AlgoConfig, TrainConfig
+from agent_grpo.models.loading import load_model
+from agent_grpo.models.logprobs import token_logprobs
+from agent_grpo.testing.records import minimal_record
+from agent_grpo.testing.reward_rules import reward_override
+from agent_grpo.trainer.loop import advantages_of, train
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs/calculator-tiny.yaml"
+EVEN = reward_override("even", "even_tokens")
+
+
+def tiny_train(tmp: Path, model_dir: Path, *settings: str) -> Path:
+    """Run `train` in-process on the tiny model: no eval, no warm start."""
+    overrides = [f"model.name_or_path={model_dir}", f"run.root={tmp}", "eval=null",
+                 "warm_start=null", "run.tensorboard=false", *settings]  # fmt: skip
+    return train(load_config(TrainConfig, TINY, overrides))
+
+
+def test_an_infrastructure_failure_is_left_out_of_its_group_baseline() -> None:
+    # Group a: rewards [1, 0] count, the error member (reward 0) does not: A = +-0.707 (std of
+    # [1, 0] is sqrt(.5)), where counting it would give [1.15, -0.58, -0.58]. Group b keeps one
+    # valid member: advantage 0 for all.
+    members = [("a", 0, 1.0, "terminated"), ("a", 1, 0.0, "terminated"), ("a", 2, 0.0, "error"),
+               ("b", 0, 1.0, "terminated"), ("b", 1, 0.0, "error")]  # fmt: skip
+    records = [minimal_record(g, i, r, group_size=3, kind=k) for g, i, r, k in members]
+    got = advantages_of(records, AlgoConfig()).tolist()
+    assert got == pytest.approx([0.7071, -0.7071, 0.0, 0.0, 0.0], abs=1e-3)
+
+
+def test_large_close_rewards_are_not_rounded_before_the_advantage() -> None:
+    # In float32, 1000.0001 / .0002 / .0003 are 1000.00006 / 1000.00018 / 1000.0003, which the
+    # std division turns into [-0.86, -0.22, 1.08] instead of [-1, 0, 1] (times
+    # std / (std + eps) = 1e-4 / (1e-4 + 1e-6): the default eps of 1e-6 is 1% of this std).
+    rewards = [1000.0001, 1000.0002, 1000.0003]
+    records = [minimal_record("a", i, r, group_size=3) for i, r in enumerate(rewards)]
+    got = advantages_of(records, AlgoConfig()).tolist()
+    shrink = 1e-4 / (1e-4 + 1e-6)
+    assert got == pytest.approx([-shrink, 0.0, shrink], abs=1e-4)
+
+
+def test_leave_one_out_alone_is_unscaled_rloo() -> None:
+    # r = [3, 0, 0]: r_i - mean(others) = [3 - 0, 0 - 1.5, 0 - 1.5]; no std division
+    records = [minimal_record("a", i, r, group_size=3) for i, r in enumerate([3.0, 0.0, 0.0])]
+    got = advantages_of(records, AlgoConfig(leave_one_out=True)).tolist()
+    assert got == pytest.approx([3.0, -1.5, -1.5])
+    scaled = advantages_of(records, AlgoConfig(leave_one_out=True, scale="group")).tolist()
+    assert scaled == pytest.approx([3.0 / 3**0.5, -1.5 / 3**0.5, -1.5 / 3**0.5], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_recorded_pi_old_is_the_policy_before_the_update(tmp_path, tiny_model_dir) -> None:
+    # old_logprobs=sampler with 2 minibatches: the second minibatch runs after an optimizer
+    # step, so its first-pass logprobs are not pi_old (lr 1e-2 makes the difference visible)
+    run = tiny_train(tmp_path, tiny_model_dir, EVEN, "run.name=pi-old", "steps=1",
+                     "algo.old_logprobs=sampler", "algo.minibatches=2", "algo.lr=1.0e-2",
+                     "algo.speed.skip_zero_advantage=false")  # fmt: skip
+    lines = (run / "trajectories" / "step_000000.jsonl").read_text().splitlines()
+    model = load_model(tiny_model_dir)
+    for r in map(json.loads, lines):
+        ids = torch.tensor([r["token_ids"]])
+        with torch.no_grad():
+            want = token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)[0]
+        got = [(i, v) for i, v in enumerate(r["old_logprobs"]) if v is not None]
+        assert got, "every record has trainer logprobs"
+        assert max(abs(v - float(want[i])) for i, v in got) < 1e-4
+
+
+def test_every_tensor_reaching_the_loss_is_on_the_configured_device(
+    tmp_path, tiny_model_dir, monkeypatch
+) -> None:
+    from agent_grpo.algo import objective
+
+    seen: set[torch.device] = set()
+    real = objective.policy_loss
+
+    def spy(*args, **kwargs):
+        tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
+        seen.update(t.device for t in tensors)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(objective, "policy_loss", spy)
+    tiny_train(tmp_path, tiny_model_dir, EVEN, "run.name=device", "steps=1", "model.device=cpu",
+               "algo.beta=0.04", "algo.tis_cap=2.0")  # fmt: skip
+    assert seen == {torch.device("cpu")}
