@@ -17,25 +17,8 @@ from agent_grpo.rewards import (
     build_reward_fn,
     parse_judge_score,
 )
-from agent_grpo.trajectory.record import Lengths, Message, Termination, TrajectoryRecord
-
-
-def record(reward: float, answer: str) -> TrajectoryRecord:
-    return TrajectoryRecord(
-        group_id="g",
-        task_id="t",
-        index_in_group=0,
-        group_size=1,
-        env_id="e",
-        seed=0,
-        messages=[Message(role="user", content="2+2?"), Message(role="assistant", content=answer)],
-        token_ids=[],
-        provenance=[],
-        sampler_logprobs=[],
-        reward=reward,
-        termination=Termination(kind="terminated", reason="t"),
-        lengths=Lengths(),
-    )
+from agent_grpo.testing.records import minimal_record
+from agent_grpo.trajectory.record import TrajectoryRecord
 
 
 def brevity(r: TrajectoryRecord) -> float:
@@ -45,7 +28,7 @@ def brevity(r: TrajectoryRecord) -> float:
 
 def test_rule_and_weights_combine_and_every_component_is_kept() -> None:
     config = RuleRewardConfig(name="brevity", function=f"{__name__}:brevity", weight=2.0)
-    records = [record(1.0, "4"), record(0.0, "five hundred")]
+    records = [minimal_record(reward=1.0, answer="4"), minimal_record(answer="five hundred")]
     apply_rewards(records, [(config, build_reward_fn(config))])
     assert records[0].reward_components == {"verifier": 1.0, "brevity": -0.01}
     assert records[0].reward == pytest.approx(1.0 + 2.0 * -0.01)
@@ -63,7 +46,7 @@ def test_judge_scores_through_an_openai_compatible_endpoint() -> None:
 
     config = JudgeRewardConfig(name="judge", base_url="http://judge", model="m", weight=1.0)
     fn = build_reward_fn(config, transport=httpx.MockTransport(handler))
-    assert fn([record(0, "4"), record(0, "5")]) == pytest.approx([0.9, 0.2])
+    assert fn([minimal_record(answer=a) for a in ["4", "5"]]) == pytest.approx([0.9, 0.2])
     assert seen[0]["model"] == "m" and seen[0]["temperature"] == 0.0
 
 
@@ -88,5 +71,5 @@ def test_reward_model_scores_with_a_sequence_classifier(tmp_path, tokenizer) -> 
     LlamaForSequenceClassification(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     fn = build_reward_fn(RewardModelRewardConfig(name="rm", model=str(tmp_path)))
-    scores = fn([record(0, "4"), record(0, "a much longer answer"), record(0, "4")])
+    scores = fn([minimal_record(answer=a) for a in ["4", "a much longer answer", "4"]])
     assert scores[0] == scores[2] and scores[0] != scores[1]

@@ -35,10 +35,12 @@ def minimal_record(
     token_ids: list[int] | None = None,
     provenance: list[Provenance] | None = None,
     sampler_logprobs: list[float | None] | None = None,
+    answer: str | None = None,
     **fields: Any,
 ) -> TrajectoryRecord:
     """A one-message record of task `group` (no tokens unless given; sampler logprob -1.0 per
-    model token unless given); an `error` ending has reason "env raised", any other "t"."""
+    model token unless given; an `answer` adds the assistant's reply); an `error` ending has
+    reason "env raised", any other "t"."""
     provenance = provenance or []
     model = sum(p is Provenance.MODEL for p in provenance)
     values: dict[str, Any] = {
@@ -48,7 +50,8 @@ def minimal_record(
         "group_size": group_size,
         "env_id": "e",
         "seed": 0,
-        "messages": [Message(role="user", content="q")],
+        "messages": [Message(role="user", content="q")]
+        + ([] if answer is None else [Message(role="assistant", content=answer)]),
         "token_ids": token_ids or [],
         "provenance": provenance,
         "sampler_logprobs": sampler_logprobs

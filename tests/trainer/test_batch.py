@@ -8,28 +8,20 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent_grpo.testing.records import minimal_record
 from agent_grpo.trainer.batch import micro_batches, micro_batches_by_tokens, pack_records
-from agent_grpo.trajectory.record import Lengths, Message, Provenance, Termination, TrajectoryRecord
+from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
 P, M, T, OBS = Provenance.PROMPT, Provenance.MODEL, Provenance.TEMPLATE, Provenance.OBSERVATION
 
 
 def make_record(provenance: list[Provenance], advantage: float = 0.0) -> TrajectoryRecord:
-    """A synthetic record whose token ids are 100 + position and logprobs -0.1 * position."""
-    n = len(provenance)
-    return TrajectoryRecord(
-        group_id="g",
-        task_id="t",
-        index_in_group=0,
-        group_size=1,
-        env_id="e",
-        seed=0,
-        messages=[Message(role="user", content="x")],
-        token_ids=[100 + i for i in range(n)],
+    """A record whose token ids are 100 + position and logprobs -0.1 * position, so a packed
+    tensor shows which position each value came from."""
+    return minimal_record(
+        token_ids=[100 + i for i in range(len(provenance))],
         provenance=provenance,
         sampler_logprobs=[-0.1 * i if p is M else None for i, p in enumerate(provenance)],
-        termination=Termination(kind="terminated", reason="test"),
-        lengths=Lengths(total=n),
         advantage=advantage,
     )
 

@@ -8,23 +8,16 @@ import pytest
 import torch
 
 from agent_grpo.rollout.summary import summarize_trajectories
+from agent_grpo.testing.records import minimal_record
 from agent_grpo.trainer.metrics import dead_group_mask, logprob_mismatch, signal_metrics
-from agent_grpo.trajectory.record import (
-    Lengths,
-    Message,
-    Provenance,
-    Termination,
-    ToolCallRecord,
-    TrajectoryRecord,
-    TurnRecord,
-)
+from agent_grpo.trajectory.record import Provenance, ToolCallRecord, TrajectoryRecord, TurnRecord
 
 
 def record(
     group: str, reward: float, model_ids: list[int], calls: int = 0, malformed: int = 0
 ) -> TrajectoryRecord:
+    """A one-turn episode after a one-token prompt, with `calls` tool calls in its turn."""
     ids = [1, *model_ids]
-    prov = [Provenance.PROMPT] + [Provenance.MODEL] * len(model_ids)
     turn = TurnRecord(
         index=0,
         model_text="x",
@@ -33,22 +26,14 @@ def record(
         finish_reason="stop",
         tool_calls=[ToolCallRecord(name="t") for _ in range(calls)],
     )
-    return TrajectoryRecord(
-        group_id=group,
-        task_id=group,
-        index_in_group=0,
-        group_size=2,
-        env_id="e",
-        seed=0,
-        messages=[Message(role="user", content="q")],
-        token_ids=ids,
-        provenance=prov,
-        sampler_logprobs=[None] + [-1.0] * len(model_ids),
+    return minimal_record(
+        group,
         reward=reward,
+        group_size=2,
+        token_ids=ids,
+        provenance=[Provenance.PROMPT] + [Provenance.MODEL] * len(model_ids),
         success=reward > 0,
         turns=[turn],
-        termination=Termination(kind="terminated", reason="t"),
-        lengths=Lengths(model=len(model_ids), total=len(ids)),
         malformed_tool_calls=malformed,
     )
 
