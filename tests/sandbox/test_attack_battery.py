@@ -2,7 +2,7 @@
 no process, file, IPC object or cgroup of the sandbox uid, and the sentinel files and dirs are as
 they were (`host_unchanged`, applied to every test).
 
-Rows of issue #14's table map to tests as listed in docs/sandbox.md.
+docs/sandbox.md's table maps each attack to the test that contains it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Asynchronous GRPO's bound (issue 15): whatever the workers' speeds, no group is trained more
+"""Asynchronous GRPO's bound: whatever the workers' speeds, no group is trained more
 than `max_staleness` versions after it was sampled, and every group is sampled by one version.
 
 `FifoPool` stands in for `RayRolloutPool` with what Ray guarantees: each actor runs its calls

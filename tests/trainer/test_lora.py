@@ -1,4 +1,4 @@
-"""LoRA through peft (issue 16, part 1): only the adapter trains, the reference is the base
+"""LoRA through peft: only the adapter trains, the reference is the base
 model with the adapter off, a zero adapter takes full fine-tuning's first step, and a LoRA run
 checkpoints, resumes and exports."""
 

@@ -1,4 +1,4 @@
-"""The run's progress display: phases with step k/N, elapsed and ETA (issue 17, part 3)."""
+"""The run's progress display: phases with step k/N, elapsed and ETA."""
 
 from __future__ import annotations
 

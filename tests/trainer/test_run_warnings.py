@@ -1,4 +1,4 @@
-"""A run that cannot learn must not look like one that can (issue 17, part 1)."""
+"""A run that cannot learn must not look like one that can."""
 
 from __future__ import annotations
 
