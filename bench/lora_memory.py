@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One side: model, batch, 2 update steps under a peak-RSS window."""
-    from agent_grpo.config.jobs import AlgoConfig
+    from agent_grpo.config.jobs import AlgoConfig, SpeedConfig
     from agent_grpo.models.loading import load_model
     from agent_grpo.testing.tiny_model import build_tiny_model
     from agent_grpo.trainer.batch import PackedBatch
@@ -75,7 +75,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     with PeakWindow() as window:
         for _ in range(2):
             minibatch_update(policy, optimizer, batch, None, None,
-                             AlgoConfig(shared_prefix=False), 1.0, args.tokens)  # fmt: skip
+                             AlgoConfig(speed=SpeedConfig(shared_prefix=False)), 1.0,
+                             args.tokens)  # fmt: skip
     return {**window.as_dict(), "step_s": (time.perf_counter() - started) / 2,
             "trainable_params": sum(p.numel() for p in trainable),
             "process_peak_rss_mb": process_peak_rss_mb()}  # fmt: skip

@@ -181,8 +181,8 @@ def _targets_line(summary: Result) -> str:
 SIDE_NOTES = {
     "trl": "TRL 1.16 `GRPOTrainer`, fp32, clips gradients at 1.0",
     "hf": "ours, `hf` backend, fp32, defaults (clips at 1.0)",
-    "hf-in-backward": "ours, `hf`, fp32, `algo.optimizer_in_backward` (no clipping)",
-    "hf-lean": "ours, `hf`, fp32, `algo.optimizer_in_backward` and `algo.recompute_mlp`",
+    "hf-in-backward": "ours, `hf`, fp32, `algo.speed.optimizer_in_backward` (no clipping)",
+    "hf-lean": "ours, `hf`, fp32, `algo.speed`: `optimizer_in_backward` and `recompute_mlp`",
     "hf-bf16": "ours, `hf`, `model.dtype: bfloat16` (fp32 master weights, bf16 reference), "
     "optimizer in backward",
     "vllm": "ours, `vllm` backend (fp32 engine, KV cache sized to the job), defaults",

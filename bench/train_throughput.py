@@ -132,7 +132,7 @@ def _bytes_mb(tensors: Any) -> float:
 
 
 def computed_tokens(batch: Any) -> int:
-    """Tokens one forward over `batch` computes with `algo.shared_prefix`: each group's prompt
+    """Tokens one forward over `batch` computes with `algo.speed.shared_prefix`: each group's prompt
     once (up to its first model token), then every row's model-token span."""
     first = batch.loss_mask.float().argmax(dim=1)  # [B]: where each row's model tokens start
     trained = batch.loss_mask.any(dim=1)  # [B]

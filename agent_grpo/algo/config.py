@@ -13,7 +13,30 @@ from pydantic import Field, model_validator
 from agent_grpo.algo.grpo import Aggregation, KLKind, advantage_scale
 from agent_grpo.config.base import ConfigModel
 
-__all__ = ["AlgoConfig"]
+__all__ = ["AlgoConfig", "SpeedConfig"]
+
+
+class SpeedConfig(ConfigModel):
+    """Switches that change how fast the update runs and how much memory it holds, never what
+    it computes: each gives the same loss and gradients up to floating-point rounding (the
+    tests compare each against its off position, tests/trainer/test_knobs.py)."""
+
+    micro_batch_tokens: int = Field(default=4096, ge=1)
+    """Most padded tokens (rows x longest row) per forward/backward; whole groups share a
+    micro-batch while they fit, and gradients are accumulated across micro-batches."""
+    shared_prefix: bool = True
+    """Run the backbone once over each group's shared prompt, the prompts of every group in a
+    micro-batch in one pass (less compute)."""
+    skip_zero_advantage: bool = True
+    """With beta = 0, skip the forward pass of rows with zero advantage (they add exactly 0)."""
+    recompute_mlp: bool = False
+    """Recompute each decoder layer's MLP in backward instead of keeping its activations: about
+    half the saved activations for one extra MLP forward (agent_grpo/trainer/recompute.py;
+    measured in docs/benchmarks.md)."""
+    optimizer_in_backward: bool = False
+    """Step AdamW inside backward, each parameter as soon as its gradient is complete, and free
+    that gradient at once: the update never holds a whole model's gradients. Needs
+    `algo.max_grad_norm: null` and one process (agent_grpo/trainer/backward_steps.py)."""
 
 
 class AlgoConfig(ConfigModel):
@@ -52,27 +75,10 @@ class AlgoConfig(ConfigModel):
     """AdamW weight decay."""
     max_grad_norm: float | None = Field(default=1.0, gt=0.0)
     """Gradient clipping norm; null: no clipping (the norm is still logged)."""
-    optimizer_in_backward: bool = False
-    """Step AdamW inside backward, each parameter as soon as its gradient is complete, and free
-    that gradient at once: the update never holds a whole model's gradients (for the 135M model
-    513 MiB less at peak). Needs `max_grad_norm: null` and one process
-    (agent_grpo/trainer/backward_steps.py)."""
     epochs: int = Field(default=1, ge=1)
     """Passes over each step's batch (ratios leave 1 only from the second pass on)."""
     minibatches: int = Field(default=1, ge=1)
     """Optimizer steps per epoch; the batch is split into this many minibatches."""
-    micro_batch_tokens: int = Field(default=4096, ge=1)
-    """Most padded tokens (rows x longest row) per forward/backward; whole groups share a
-    micro-batch while they fit, and gradients are accumulated across micro-batches."""
-    recompute_mlp: bool = False
-    """Recompute each decoder layer's MLP in backward instead of keeping its activations: about
-    half the saved activations (135M model: 2.1 -> 1.1 MiB a token) for one extra MLP forward
-    (agent_grpo/trainer/recompute.py)."""
-    shared_prefix: bool = True
-    """Run the backbone once over each group's shared prompt, the prompts of every group in a
-    micro-batch in one pass (same result, less compute)."""
-    skip_zero_advantage: bool = True
-    """With beta = 0, skip the forward pass of rows with zero advantage (they add exactly 0)."""
     old_logprobs: Literal["trainer", "sampler"] = "trainer"
     """Where pi_old comes from: recomputed by the trainer, or the sampler's logprobs."""
     tis_cap: float | None = Field(default=None, gt=0.0)
@@ -86,6 +92,8 @@ class AlgoConfig(ConfigModel):
     max_staleness: int = Field(default=0, ge=0)
     """Asynchronous GRPO: workers sample up to this many policy versions ahead of the trainer
     (0: synchronous). Needs `rollout.workers.type: ray`; a group older than this is dropped."""
+    speed: SpeedConfig = SpeedConfig()
+    """Speed and memory switches that never change the result (`SpeedConfig`)."""
 
     @property
     def advantage_scale(self) -> Literal["group", "none"]:
@@ -110,9 +118,9 @@ class AlgoConfig(ConfigModel):
                 f"algo.max_tokens is the normaliser of aggregation seq-mean-token-sum-norm; "
                 f"with aggregation {self.aggregation} it would be ignored"
             )
-        if self.optimizer_in_backward and self.max_grad_norm is not None:
+        if self.speed.optimizer_in_backward and self.max_grad_norm is not None:
             raise ValueError(
-                "algo.optimizer_in_backward steps each parameter before the next gradient "
+                "algo.speed.optimizer_in_backward steps each parameter before the next gradient "
                 "exists, so clipping to the global norm (algo.max_grad_norm="
                 f"{self.max_grad_norm}) cannot happen; set algo.max_grad_norm: null"
             )

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from agent_grpo.algo.config import AlgoConfig
+from agent_grpo.algo.config import AlgoConfig, SpeedConfig
 from agent_grpo.config.base import ConfigModel
 from agent_grpo.rewards import RewardSourceConfig
 from agent_grpo.rollout.config import (
@@ -34,6 +34,7 @@ __all__ = [
     "OpenAIBackendConfig",
     "RolloutConfig",
     "RunConfig",
+    "SpeedConfig",
     "TrainConfig",
     "VLLMBackendConfig",
     "WarmStartConfig",
@@ -124,6 +125,10 @@ class RunConfig(ConfigModel):
     """Also write each step's metrics as TensorBoard scalars under `{run}/tensorboard`."""
 
 
+MOVED_TO_SPEED = "it moved to algo.speed (the switches that never change the result)"
+"""What a config that still sets a speed switch directly under `algo` is told."""
+
+
 class TrainConfig(ConfigModel):
     """`agent-grpo train`: base eval -> warm start -> GRPO -> final eval."""
 
@@ -132,6 +137,11 @@ class TrainConfig(ConfigModel):
         "delete the key",
         "rollout.check_invariants": "the token invariants are always checked (their cost is "
         "small next to sampling); delete the key",
+        "algo.micro_batch_tokens": MOVED_TO_SPEED,
+        "algo.shared_prefix": MOVED_TO_SPEED,
+        "algo.skip_zero_advantage": MOVED_TO_SPEED,
+        "algo.recompute_mlp": MOVED_TO_SPEED,
+        "algo.optimizer_in_backward": MOVED_TO_SPEED,
     }
 
     seed: int = 0
@@ -175,12 +185,13 @@ class TrainConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _in_backward_alone(self) -> TrainConfig:
-        if self.algo.recompute_mlp and self.distributed.mode == "fsdp":
-            raise ValueError("algo.recompute_mlp with distributed.mode=fsdp is not built")
-        if self.algo.optimizer_in_backward and self.distributed.mode != "none":
+        if self.algo.speed.recompute_mlp and self.distributed.mode == "fsdp":
+            raise ValueError("algo.speed.recompute_mlp with distributed.mode=fsdp is not built")
+        if self.algo.speed.optimizer_in_backward and self.distributed.mode != "none":
             raise ValueError(
-                f"algo.optimizer_in_backward with distributed.mode={self.distributed.mode} is "
-                "not built: DDP and FSDP reduce gradients after backward, not one by one"
+                "algo.speed.optimizer_in_backward with distributed.mode="
+                f"{self.distributed.mode} is not built: DDP and FSDP reduce gradients after "
+                "backward, not one by one"
             )
         return self
 

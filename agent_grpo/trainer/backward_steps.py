@@ -2,7 +2,7 @@
 the moment its gradient is complete and frees that gradient at once, so an update never holds a
 whole model's gradients (513 MiB of fp32 for the 135M model; one parameter's at a time instead).
 
-What it gives up, and why it is opt-in (`algo.optimizer_in_backward`):
+What it gives up, and why it is opt-in (`algo.speed.optimizer_in_backward`):
 - Clipping to the global gradient norm needs every gradient before the first step, so it is
   refused (`algo.max_grad_norm` must be null). The norm is still measured and logged.
 - A non-finite loss is caught before backward and skips the whole step, as without this. A
@@ -11,7 +11,7 @@ What it gives up, and why it is opt-in (`algo.optimizer_in_backward`):
 - One process only: DDP and FSDP reduce gradients in buckets after backward.
 - With several micro-batches in a minibatch, gradients accumulate as usual until the last
   micro-batch's backward, which steps and frees them: the saving is whole when a minibatch is
-  one micro-batch (`algo.micro_batch_tokens` at least its tokens).
+  one micro-batch (`algo.speed.micro_batch_tokens` at least its tokens).
 
 The AdamW state lives in one ordinary `torch.optim.AdamW` over all parameters, the one checkpoints
 save and load in the usual layout; each parameter's step is taken by a one-parameter AdamW that

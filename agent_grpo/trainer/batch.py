@@ -126,8 +126,8 @@ def micro_batches(
     pass over their common prompt (`shared_prefix_token_logprobs`, which runs the prefixes of
     every group in a micro-batch together). Fewer, larger micro-batches mean fewer backward
     passes per optimizer step (each accumulates every parameter's gradient once) and larger
-    matmuls; `algo.optimizer_in_backward` holds no whole-model gradient only when a minibatch is
-    one micro-batch.
+    matmuls; `algo.speed.optimizer_in_backward` holds no whole-model gradient only when a
+    minibatch is one micro-batch.
     """
     wanted = list(range(batch.input_ids.shape[0])) if rows is None else list(rows)
     lengths = batch.attention_mask.sum(dim=1).tolist()

@@ -44,7 +44,7 @@ Where we depart from common practice:
   destructor and the rank aborts ("terminate called without an active exception", SIGABRT;
   5 of 40 runs of `tests/dist_worker.py` beside two busy loops). pytorch/pytorch#179291,
   closed unmerged, describes it; torch 2.13 still does it (seen in a core dump).
-- Under FSDP2 the shared-prefix pass (`algo.shared_prefix`) is off: same loss, more compute
+- Under FSDP2 the shared-prefix pass (`algo.speed.shared_prefix`) is off: same loss, more compute
   (see `wrap_policy`). DDP keeps it.
 - Whole GRPO groups are dealt round-robin to ranks (so a group's shared prompt is run once, on
   one rank), not balanced by tokens: simple and deterministic.

@@ -89,7 +89,7 @@ def set_up(config: TrainConfig, resume: bool, ctx: DistContext, progress: RunPro
     model_path = model_source(config, checkpoint, ctx)
     tokenizer = load_tokenizer(model_path)
     policy = load_policy(config, checkpoint, ctx).to(ctx.device).eval()
-    if config.algo.recompute_mlp:
+    if config.algo.speed.recompute_mlp:
         recompute_mlps(policy)
     sampler = sampler_model(policy, config, ctx)
     backend = build_engine(config, sampler, tokenizer, model_path, checkpoint)
@@ -109,7 +109,7 @@ def set_up(config: TrainConfig, resume: bool, ctx: DistContext, progress: RunPro
     policy, reference = share_models(policy, reference, config, ctx)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapter alone
     optimizer = adamw(trainable, lr=config.algo.lr, weight_decay=config.algo.weight_decay)
-    in_backward = BackwardSteps(optimizer) if config.algo.optimizer_in_backward else None
+    in_backward = BackwardSteps(optimizer) if config.algo.speed.optimizer_in_backward else None
     rollouts = None
     if backend is not None and sampler is not None:
         rollouts = build_rollouts(config, backend, tokenizer, stop, model_path)

@@ -47,7 +47,7 @@ class Trainer:
     rollouts: RolloutSource | None = None
     """Where training rollouts come from (the engine above, or Ray workers); rank 0 only."""
     in_backward: BackwardSteps | None = None
-    """With `algo.optimizer_in_backward`, the hooks that step `optimizer` inside backward."""
+    """With `algo.speed.optimizer_in_backward`, the hooks that step `optimizer` inside backward."""
 
 
 def engine_copy(model: torch.nn.Module, backend: GenerationBackend) -> torch.nn.Module:

@@ -9,7 +9,7 @@ collective is the identity and no micro-batch is padding.
 
 A non-finite loss or gradient norm skips the optimizer step (weights and optimizer state stay
 as they were), logs an error and counts it in `UpdateMetrics.skipped_steps`. With
-`algo.optimizer_in_backward` a non-finite loss still skips the whole step, but a non-finite
+`algo.speed.optimizer_in_backward` a non-finite loss still skips the whole step, but a non-finite
 gradient can only skip its own parameter's step (the others have stepped): it is counted the
 same way (agent_grpo/trainer/backward_steps.py).
 """
@@ -57,7 +57,9 @@ def _micro_batches(
     A padding micro-batch reruns one row with its loss masked out (parallel.py's docstring);
     in one process there is none.
     """
-    local = micro_batches(batch, algo.micro_batch_tokens, by_group=algo.shared_prefix, rows=rows)
+    local = micro_batches(
+        batch, algo.speed.micro_batch_tokens, by_group=algo.speed.shared_prefix, rows=rows
+    )
     count = int(global_max(torch.tensor(len(local)), ctx))
     filler = [rows[-1] if rows else 0]
     return [(g, True) for g in local] + [(filler, False)] * (count - len(local))
@@ -84,8 +86,8 @@ def minibatch_update(
     """One optimizer step over a minibatch (this rank's groups of it).
 
     `policy` is a `wrap_policy` module; `old`, `ref` are `[B, T]` (`old=None`: on-policy, pi_old
-    is this very forward pass, detached). With `in_backward` (`algo.optimizer_in_backward`) the
-    last micro-batch's backward steps `optimizer`'s parameters one by one. Returns the metrics,
+    is this very forward pass, detached). With `in_backward` (`algo.speed.optimizer_in_backward`)
+    the last micro-batch's backward steps `optimizer`'s parameters one by one. Returns the metrics,
     identical on every rank, and the trainer's logprobs `[B, T]` of the rows that were run (NaN
     elsewhere).
     """
@@ -96,7 +98,7 @@ def minibatch_update(
     local_tokens = batch.loss_mask[rows].sum() if rows else torch.tensor(0)
     trained_tokens = float(global_sum(local_tokens.to(torch.float64), ctx))
     # with beta = 0 (no ref), a zero-advantage row adds exactly 0: its forward pass is skipped
-    skip = algo.skip_zero_advantage and ref is None
+    skip = algo.speed.skip_zero_advantage and ref is None
     micro = _micro_batches(batch, rows_with_loss(batch, skip_zero_advantage=skip, rows=rows),
                            algo, ctx)  # fmt: skip
     seen = torch.zeros(batch.input_ids.shape)  # [B, T]
@@ -113,7 +115,7 @@ def minibatch_update(
         targets = part.loss_mask if trains else part.attention_mask.bool()  # [b, t]
         with grad_sync(policy, enabled=k == len(micro) - 1):
             logprobs = policy(part.input_ids, part.attention_mask, targets, temperature,
-                              algo.shared_prefix)  # fmt: skip  # [b, t]
+                              algo.speed.shared_prefix)  # fmt: skip  # [b, t]
             out = grpo_micro_batch_loss(
                 logprobs,
                 None if old is None else old[group, :width].to(ctx.device),
@@ -220,7 +222,7 @@ def batch_logprobs(
         part = batch.select(group).to(ctx.device)
         width = part.input_ids.shape[1]
         logprobs = model(part.input_ids, part.attention_mask, part.loss_mask, temperature,
-                         algo.shared_prefix)  # fmt: skip  # [b, t]
+                         algo.speed.shared_prefix)  # fmt: skip  # [b, t]
         values[group, :width] += logprobs.cpu() * real
         written[group, :width] += real
     model.train(was_training)

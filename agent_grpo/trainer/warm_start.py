@@ -150,6 +150,6 @@ def warm_start(
     ]
     return train_sft(
         policy, demos, pad_id=tokenizer.pad_token_id, epochs=ws.epochs,
-        batch_size=ws.batch_size, lr=ws.lr, micro_batch_tokens=config.algo.micro_batch_tokens,
+        batch_size=ws.batch_size, lr=ws.lr, micro_batch_tokens=config.algo.speed.micro_batch_tokens,
         seed=config.seed, compute_dtype=compute_dtype,
     )  # fmt: skip

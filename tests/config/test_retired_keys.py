@@ -22,6 +22,6 @@ def test_a_retired_rollout_key_names_itself_and_the_fix(key: str, value: bool, s
 
 def test_a_key_of_the_same_name_elsewhere_is_not_retired() -> None:
     # Only the dotted path is retired: `progress` under another section is an ordinary unknown key.
-    with pytest.raises(ConfigError, match="algo.progress: Extra inputs are not permitted") as raised:
+    with pytest.raises(ConfigError, match=r"algo\.progress: Extra inputs") as raised:
         validate_config(TrainConfig, {"algo": {"progress": False}}, "c.yaml")
     assert "was removed" not in str(raised.value)

@@ -1,4 +1,4 @@
-"""`algo.optimizer_in_backward`: AdamW stepped inside backward gives the ordinary AdamW update
+"""`algo.speed.optimizer_in_backward`: AdamW stepped inside backward gives the ordinary AdamW update
 (clipping off), frees every gradient as it is applied, resumes from the same state layout, and
 refuses what it cannot do."""
 
@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from agent_grpo.config.jobs import AlgoConfig, TrainConfig
+from agent_grpo.config.jobs import AlgoConfig, SpeedConfig, TrainConfig
 from agent_grpo.testing.records import group_records
 from agent_grpo.trainer.backward_steps import BackwardSteps
 from agent_grpo.trainer.batch import pack_records
@@ -53,9 +53,11 @@ def _train(model: torch.nn.Module, algo: AlgoConfig, steps: int, in_backward: bo
 @pytest.mark.parametrize("micro_batch_tokens", [10**6, 30])  # one micro-batch; several
 def test_in_backward_is_adamw_without_clipping(tiny_model, micro_batch_tokens: int) -> None:
     model, _ = tiny_model
-    plain = AlgoConfig(max_grad_norm=None, micro_batch_tokens=micro_batch_tokens)
-    fused = AlgoConfig(max_grad_norm=None, micro_batch_tokens=micro_batch_tokens,
-                       optimizer_in_backward=True)  # fmt: skip
+    plain = AlgoConfig(max_grad_norm=None, speed=SpeedConfig(micro_batch_tokens=micro_batch_tokens))
+    fused = AlgoConfig(
+        max_grad_norm=None,
+        speed=SpeedConfig(micro_batch_tokens=micro_batch_tokens, optimizer_in_backward=True),
+    )
     a, a_metrics, a_opt = _train(model, plain, 2, in_backward=False)
     b, b_metrics, b_opt = _train(model, fused, 2, in_backward=True)
     moved = sum(
@@ -90,7 +92,7 @@ def test_no_gradient_outlives_its_step(tiny_model) -> None:
         p.register_post_accumulate_grad_hook(
             lambda _: live.append(sum(q.grad is not None for q in params))
         )
-    algo = AlgoConfig(max_grad_norm=None, optimizer_in_backward=True)
+    algo = AlgoConfig(max_grad_norm=None, speed=SpeedConfig(optimizer_in_backward=True))
     batch = pack_records(_records(), 2)  # both groups fit one micro-batch: one backward
     minibatch_update(policy, optimizer, batch, None, None, algo, 1.0, 16, in_backward=hooks)
     # each gradient is freed by its step, before the next parameter's gradient completes
@@ -104,7 +106,7 @@ def test_norm_and_counts_start_afresh_each_minibatch(tiny_model) -> None:
     policy = wrap_policy(copy.deepcopy(model), "none", DistContext())
     optimizer = torch.optim.AdamW(policy.parameters(), **HYPER)
     hooks = BackwardSteps(optimizer)
-    algo = AlgoConfig(max_grad_norm=None, optimizer_in_backward=True)
+    algo = AlgoConfig(max_grad_norm=None, speed=SpeedConfig(optimizer_in_backward=True))
     batch = pack_records(_records(), 2)
     first, _ = minibatch_update(policy, optimizer, batch, None, None, algo, 1.0, 16,
                                 in_backward=hooks)  # fmt: skip
@@ -117,7 +119,7 @@ def test_norm_and_counts_start_afresh_each_minibatch(tiny_model) -> None:
 
 def test_resumes_from_the_checkpointed_state(tiny_model) -> None:
     model, _ = tiny_model
-    algo = AlgoConfig(max_grad_norm=None, optimizer_in_backward=True)
+    algo = AlgoConfig(max_grad_norm=None, speed=SpeedConfig(optimizer_in_backward=True))
     straight, _, _ = _train(model, algo, 2, in_backward=True)
     first, _, optimizer = _train(model, algo, 1, in_backward=True)
     resumed, _, _ = _train(first, algo, 1, in_backward=True, state=optimizer.state_dict())
@@ -132,7 +134,7 @@ def test_non_finite_loss_steps_nothing(tiny_model) -> None:
     policy = wrap_policy(copy.deepcopy(model), "none", DistContext())
     before = [p.detach().clone() for p in policy.parameters()]
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    algo = AlgoConfig(max_grad_norm=None, optimizer_in_backward=True)
+    algo = AlgoConfig(max_grad_norm=None, speed=SpeedConfig(optimizer_in_backward=True))
     metrics, _ = minibatch_update(policy, optimizer, pack_records(records, 2), None, None, algo,
                                   1.0, 16, in_backward=BackwardSteps(optimizer))  # fmt: skip
     assert metrics.skipped_steps == 1
@@ -142,10 +144,10 @@ def test_non_finite_loss_steps_nothing(tiny_model) -> None:
 
 def test_refused_with_clipping_or_ranks() -> None:
     with pytest.raises(ValueError, match="max_grad_norm: null"):
-        AlgoConfig(optimizer_in_backward=True)
+        AlgoConfig(speed=SpeedConfig(optimizer_in_backward=True))
     with pytest.raises(ValueError, match="DDP and FSDP"):
         TrainConfig.model_validate({
-            "algo": {"optimizer_in_backward": True, "max_grad_norm": None},
+            "algo": {"speed": {"optimizer_in_backward": True}, "max_grad_norm": None},
             "distributed": {"mode": "ddp"},
         })  # fmt: skip
 

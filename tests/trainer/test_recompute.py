@@ -1,4 +1,4 @@
-"""`algo.recompute_mlp`: the same gradients, fewer saved activations (counted exactly with
+"""`algo.speed.recompute_mlp`: the same gradients, fewer saved activations (counted exactly with
 saved-tensor hooks, so this memory regression test needs no RSS and no timing)."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_same_gradients_less_saved_memory(tiny_model) -> None:
 def test_refused_under_fsdp() -> None:
     with pytest.raises(ValueError, match=r"recompute_mlp with distributed\.mode=fsdp"):
         TrainConfig.model_validate(
-            {"algo": {"recompute_mlp": True}, "distributed": {"mode": "fsdp"}}
+            {"algo": {"speed": {"recompute_mlp": True}}, "distributed": {"mode": "fsdp"}}
         )
 
 

@@ -8,7 +8,7 @@ import copy
 
 import torch
 
-from agent_grpo.config.jobs import AlgoConfig
+from agent_grpo.config.jobs import AlgoConfig, SpeedConfig
 from agent_grpo.trainer.batch import pack_records
 from agent_grpo.trainer.metrics import logprob_mismatch
 from agent_grpo.trainer.parallel import DistContext, wrap_policy
@@ -49,8 +49,10 @@ def test_trained_tokens_do_not_depend_on_skipping_zero_advantage_rows(tiny_model
     model, _ = tiny_model
     records = group("a", [5, 6, 7], [[8, 9, 10], [11, 12]], [1.0, -1.0])  # 5 model tokens
     records += group("b", [5, 6], [[13, 14, 15, 16], [17]], [0.0, 0.0])  # dead: 5 more
-    skipped = trained_tokens(model, AlgoConfig(skip_zero_advantage=True), records)
-    run = trained_tokens(model, AlgoConfig(skip_zero_advantage=False), records)
+    skipped = trained_tokens(
+        model, AlgoConfig(speed=SpeedConfig(skip_zero_advantage=True)), records
+    )
+    run = trained_tokens(model, AlgoConfig(speed=SpeedConfig(skip_zero_advantage=False)), records)
     assert skipped == run == 10.0
 
 
