@@ -46,8 +46,8 @@ def test_group_advantages_leave_one_out() -> None:
     # RLOO: r=1 -> 1 - mean(0, 0, 1) = 2/3; r=0 -> 0 - mean(1, 0, 1) = -2/3.
     got = group_advantages(REWARDS, IDS, scale="none", leave_one_out=True)
     torch.testing.assert_close(got, SIGN7 * 2 / 3)
-    # Scaled by the whole group's std: (2/3) / sqrt(1/3) = 1.154701.
-    got = group_advantages(REWARDS, IDS, leave_one_out=True, eps=0.0)
+    # Scaled by the whole group's std, when asked: (2/3) / sqrt(1/3) = 1.154701.
+    got = group_advantages(REWARDS, IDS, leave_one_out=True, scale="group", eps=0.0)
     torch.testing.assert_close(got, SIGN7 * (2 / 3) / STD7)
 
 
@@ -141,7 +141,7 @@ def _inputs(requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         ("token-mean", TOKEN_SUM / 5),  # (e + 0.1) / 5 = 0.563656
         # row means: -1.7/2 = -0.85 and (e + 1.8)/3 = 1.506094; mean 0.328047 (row 2 excluded)
         ("seq-mean-token-mean", (-0.85 + (E + 1.8) / 3) / 2),
-        ("seq-mean-token-sum-norm", TOKEN_SUM / (3 * 4)),  # sum / (B * max_tokens) = 0.234857
+        ("seq-mean-token-sum-norm", TOKEN_SUM / (2 * 4)),  # sum / (rows trained * L) = 0.352285
     ],
 )
 def test_policy_loss_aggregations(aggregation: str, expected: float) -> None:

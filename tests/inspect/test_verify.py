@@ -242,6 +242,7 @@ def test_records_without_a_hash_are_unverifiable_not_ok(
         del fields["content_hash"]  # as written before records carried one
         old_format.append(json.dumps(fields).encode() + b"\n")
     run.trajectory_file(0).write_bytes(b"".join(old_format))
+    (run.path / "manifest.jsonl").unlink()  # a run that old has no manifest either
     code, out = _verify(run, capsys)
     assert code == 0  # nothing is known to be wrong, but nothing is proven right either
     assert "verify s0-t0/0: UNVERIFIABLE at" in out and "no content hash" in out
