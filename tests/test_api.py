@@ -52,6 +52,7 @@ def test_the_docs_example_runs(
     assert not (tmp_path / "runs" / "typo").exists()  # the mistake made no run directory
 
 
+@pytest.mark.slow
 def test_import_agent_grpo_is_light_and_api_names_resolve() -> None:
     script = (
         "import inspect, sys, agent_grpo\n"

@@ -212,6 +212,7 @@ def test_tools_are_listed_with_their_schemas_and_called_like_builtins(flaky: Mcp
     assert too_long.error_kind == "oversized" and "51 characters" in (too_long.error or "")
 
 
+@pytest.mark.slow
 def test_a_slow_call_times_out_and_the_server_that_still_answers_is_kept(
     flaky: McpClient,
 ) -> None:
@@ -239,6 +240,7 @@ def test_a_crashed_server_is_an_error_and_the_next_call_starts_a_new_one(
     assert new != old and alive(new)
 
 
+@pytest.mark.slow
 def test_a_hung_server_times_out_is_killed_and_replaced(flaky: McpClient) -> None:
     tools = {t.name: t for t in flaky.tools()}
     old = int(run_tool_call(tools["pid"], {}).result or 0)
@@ -280,6 +282,7 @@ def test_startup_failures_raise_with_the_servers_stderr(tmp_path: Path) -> None:
     missing.close()
 
 
+@pytest.mark.slow
 def test_a_server_that_hangs_at_start_is_killed_after_the_startup_timeout(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     command = [*FLAKY, "--hang-at-start", "--ignore-term", "--pid-file", str(pid_file)]

@@ -220,6 +220,7 @@ end_rank(3)
 """
 
 
+@pytest.mark.slow
 def test_end_rank_joins_threads_runs_atexit_and_flushes_then_skips_the_teardown(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout buffered
     done = subprocess.run(
