@@ -166,6 +166,7 @@ def save(run: RunWriter | None, trainer: Trainer, state: TrainerState, keep: int
         path = run.checkpoint_dir(state.step)
         save_checkpoint(path, trainer.sampler, trainer.tokenizer, optimizer, state)
         run.record_checkpoint(path)  # the manifest's entry, after the rename (crash: adopted)
+        crash_point("prune", state.step)  # crash tests: the new checkpoint whole, old ones kept
         for pruned in prune_checkpoints(path.parent, keep):
             run.record_checkpoint_removed(pruned)
 

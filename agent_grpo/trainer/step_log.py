@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from agent_grpo.config.jobs import TrainConfig
+from agent_grpo.faults import crash_point
 from agent_grpo.logs import get_logger
 from agent_grpo.run_dir.writer import RunWriter
 from agent_grpo.trainer.metrics import StepMetrics
@@ -34,6 +35,7 @@ def record_step(
     """Write a step's trajectories, then its metrics (JSONL, TensorBoard); log the step line."""
     if config.run.log_trajectories:
         run.write_trajectories(metrics.step, records)
+    crash_point("metrics", metrics.step)  # crash tests: the step's records without its metrics
     row = metrics.row()
     run.write_metrics(metrics.step, row)
     if tensorboard is not None:

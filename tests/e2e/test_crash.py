@@ -69,11 +69,18 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
     root = tmp_path_factory.mktemp("crash")
     done = train(root, tiny_model_dir, "whole")
     assert done.returncode == 0, done.stderr[-3000:]
-    return snapshot(root / "whole")
+    whole = snapshot(root / "whole")
+    # A comparison on dead groups (zero advantages) could not see a wrong update: every step
+    # here must carry a signal, or the test proves nothing.
+    steps = [row for row in whole["rows"] if "dead_group_fraction" in row]  # type: ignore[attr-defined]
+    assert len(steps) == 3 and all(row["dead_group_fraction"] < 1.0 for row in steps)
+    return whole
 
 
-@pytest.mark.parametrize("point", ["trajectories:2", "after_step:2", "checkpoint:2",
-                                   "trajectories:0"])  # fmt: skip
+# Every point between a step's records, its metrics row, its checkpoint and the pruning of the
+# oldest checkpoint (checkpoints after steps 0, 2 and 3; the save after step 3 prunes step 0's).
+@pytest.mark.parametrize("point", ["trajectories:0", "trajectories:2", "metrics:2", "after_step:2",
+                                   "checkpoint:2", "prune:3"])  # fmt: skip
 def test_a_killed_run_resumes_to_the_uninterrupted_run(
     tmp_path: Path, tiny_model_dir: Path, uninterrupted: dict[str, object], point: str
 ) -> None:
