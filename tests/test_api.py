@@ -87,7 +87,9 @@ def test_a_moved_module_names_its_new_place(old: str, new: str) -> None:
 def test_train_is_the_api_function(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     seen: list[TrainConfig] = []
 
-    def fake_loop(config: TrainConfig, *, resume: bool = False) -> Path:
+    def fake_loop(
+        config: TrainConfig, *, resume: bool = False, accept_config_change: bool = False
+    ) -> Path:
         seen.append(config)
         return RunWriter.create(tmp_path, "fake").path
 

@@ -116,7 +116,10 @@ def test_replay_inspect_html_and_verify_on_the_trained_run(trained: Path) -> Non
     assert page.startswith("<!DOCTYPE html>") or "<html" in page[:200]
     assert "http://" not in page and "https://" not in page  # self-contained
     verified = agent_grpo("replay", str(run), "--verify", cwd=trained).stdout.splitlines()
-    lines = [line for line in verified if line.startswith("verify ")]
+    assert next(line for line in verified if line.startswith("verify run: ")).startswith(
+        "verify run: ok"
+    )  # the run as a whole: manifest chain, config, metrics, checkpoints
+    lines = [line for line in verified if line.startswith("verify s")]
     stored = sum(len(f.read_bytes().splitlines()) for f in (run / "trajectories").iterdir())
     assert len(lines) == stored == 8 and all(line.endswith(": ok") for line in lines)  # all steps
     counts = "diverged 0, corrupt 0, duplicated 0, unverifiable 0; incomplete groups 0"

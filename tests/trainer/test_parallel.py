@@ -3,7 +3,7 @@
 `plain_update` below is the reference: one full-batch forward with `token_logprobs` (no
 micro-batches, no shared prefix, no skipped rows), `policy_loss` over the whole batch, backward,
 clip, SGD. `update.minibatch_update` must equal it in one process and, launched through
-`tests/dist_worker.py` with torchrun (gloo, CPU, loopback only), on 2 processes. The
+`tests/trainer/dist_worker.py` with torchrun (gloo, CPU, loopback only), on 2 processes. The
 batch is built so the per-rank model-token counts are far apart (53 vs 16), which is what makes
 a per-rank denominator visibly wrong. SGD, not AdamW: its update is linear in the gradient, so a
 tolerance on parameters is a tolerance on gradients (Adam's first step is lr * sign(g)).
@@ -76,7 +76,8 @@ def make_case(model_dir: Path, **algo: Any) -> dict[str, Any]:
     )
     # micro_batch_tokens=48 gives rank 0 four micro-batches and rank 1 one; the first step's
     # grad norm is ~2, so clipping at 1 is active. TIS weights are exp(old - sampler) capped.
-    settings = {"beta": 0.04, "micro_batch_tokens": 48, "max_grad_norm": 1.0, "tis_cap": 1.2}
+    settings = {"beta": 0.04, "max_grad_norm": 1.0, "tis_cap": 1.2,
+                "speed": {"micro_batch_tokens": 48}}  # fmt: skip
     return {
         "batch": batch,
         "old": near(0.3),  # ratios exp(+-0.3): some tokens clipped, some not
@@ -294,7 +295,7 @@ def test_loss_denominator_by_aggregation():
     assert loss_denominator(mask, AlgoConfig(), 9) == 6
     assert loss_denominator(mask, AlgoConfig(aggregation="seq-mean-token-mean"), 9) == 2
     sum_norm = AlgoConfig(aggregation="seq-mean-token-sum-norm")
-    assert loss_denominator(mask, sum_norm, 9) == 27
+    assert loss_denominator(mask, sum_norm, 9) == 18  # 2 rows with a trained token x L = 9
 
 
 def test_wrap_policy_refuses_modes_that_do_not_fit_the_world(tiny_model):
@@ -317,7 +318,9 @@ VARIANTS = {
     "token-mean": lambda d: make_case(d),
     "seq-mean-token-mean": lambda d: make_case(d, aggregation="seq-mean-token-mean"),
     "seq-mean-token-sum-norm": lambda d: make_case(d, aggregation="seq-mean-token-sum-norm"),
-    "no-shared-prefix": lambda d: make_case(d, shared_prefix=False),
+    "no-shared-prefix": lambda d: make_case(
+        d, speed={"micro_batch_tokens": 48, "shared_prefix": False}
+    ),
     "on-policy": on_policy_case,
 }
 
@@ -434,11 +437,12 @@ def test_per_rank_token_mean_takes_a_different_step(two_process_results, expecte
 def test_a_step_without_any_trainable_row_keeps_the_weights(
     two_process_results, tiny_model_dir, mode
 ):
-    """Every group dead and beta 0: no rank runs a micro-batch, the metrics are the complete
-    set of zeros, and the weights stay the base model's (SGD of a zero gradient)."""
+    """Every group dead and beta 0: no rank runs a micro-batch, loss and gradient are zeros
+    (`trained_tokens` counts the denominator's tokens whether or not their forward pass was
+    skipped), and the weights stay the base model's (SGD of a zero gradient)."""
     got = two_process_results[mode]
     for step in got["history"]:
-        assert step["trained_tokens"] == 0 and step["loss"] == 0 and step["grad_norm"] == 0
+        assert step["trained_tokens"] > 0 and step["loss"] == 0 and step["grad_norm"] == 0
         assert step["ratio_min"] == step["ratio_max"] == 1.0
         assert torch.isnan(step["seen"]).all()
     assert max_param_diff(got["params"], load_model(tiny_model_dir).state_dict()) == 0
