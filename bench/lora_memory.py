@@ -50,11 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One side: model, batch, 2 update steps under a peak-RSS window."""
-    from agent_grpo.config.jobs import AlgoConfig, SpeedConfig
+    from agent_grpo.config.jobs import AlgoConfig, LoraSettings, SpeedConfig
     from agent_grpo.models.loading import load_model
     from agent_grpo.testing.tiny_model import build_tiny_model
     from agent_grpo.trainer.batch import PackedBatch
-    from agent_grpo.trainer.lora import LoraSettings, wrap_lora
+    from agent_grpo.trainer.lora import wrap_lora
     from agent_grpo.trainer.parallel import DistContext, wrap_policy
     from agent_grpo.trainer.update import minibatch_update
 

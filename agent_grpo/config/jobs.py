@@ -20,7 +20,6 @@ from agent_grpo.rollout.config import (
     RolloutConfig,
     VLLMBackendConfig,
 )
-from agent_grpo.trainer.lora import LoraSettings
 
 __all__ = [
     "AlgoConfig",
@@ -30,6 +29,7 @@ __all__ = [
     "EvalConfig",
     "EvalRunConfig",
     "HFBackendConfig",
+    "LoraSettings",
     "ModelConfig",
     "OpenAIBackendConfig",
     "RolloutConfig",
@@ -39,6 +39,21 @@ __all__ = [
     "VLLMBackendConfig",
     "WarmStartConfig",
 ]
+
+
+class LoraSettings(ConfigModel):
+    """A LoRA adapter on the policy (peft); the base weights stay frozen."""
+
+    r: int = Field(default=16, ge=1)
+    """Rank of each adapter."""
+    alpha: int = Field(default=32, ge=1)
+    """Scale: the update is `alpha / r * B @ A`."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input (training only)."""
+    target_modules: list[str] = [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    ]  # fmt: skip
+    """Names of the linear layers that get an adapter (Llama/Qwen naming)."""
 
 
 class ModelConfig(ConfigModel):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from agent_grpo.algo.config import AlgoConfig
-from agent_grpo.trainer.metrics import counts_in_group
+from agent_grpo.algo.groups import counts_in_group
 from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = ["AdvantageNorm", "GroupBaseline", "group_baseline"]

@@ -173,7 +173,7 @@ def _advantage_problems(
     lines: Sequence[StoredLine], facts: RunFacts
 ) -> Iterator[tuple[StoredLine, str]]:
     """Each stored advantage against the trainer's recompute over its step's records."""
-    from agent_grpo.trainer.loop import advantages_of  # torch and the trainer: only when needed
+    from agent_grpo.algo.groups import advantages_of  # torch: only when needed
 
     records = [(line, line.record) for line in lines if line.record is not None]
     if not records or any(r.advantage is None for _, r in records):

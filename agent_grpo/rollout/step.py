@@ -17,12 +17,12 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from agent_grpo.algo.groups import dead_group_mask
 from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.envs.text_env import train_seeds
 from agent_grpo.rewards import apply_rewards, build_reward_fn
 from agent_grpo.rollout.backends.base import GenerationBackend
 from agent_grpo.rollout.collector import CollectOptions, RolloutResult, Task, collect_groups
-from agent_grpo.trainer.metrics import dead_group_mask
 from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = [

@@ -36,23 +36,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from agent_grpo.algo.grpo import group_advantages
+from agent_grpo.algo.groups import advantages_of, trainable_rows
 from agent_grpo.config.base import ConfigError
-from agent_grpo.config.jobs import AlgoConfig, TrainConfig
+from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.evaluation.in_training import print_summary, run_eval
 from agent_grpo.faults import crash_point
 from agent_grpo.preflight import preflight_train
 from agent_grpo.rollout.sources import staleness
 from agent_grpo.trainer.batch import PackedBatch, pack_records
 from agent_grpo.trainer.checkpoint import save
-from agent_grpo.trainer.metrics import (
-    StepMetrics,
-    StepTimes,
-    counts_in_group,
-    dead_group_mask,
-    logprob_mismatch,
-    step_metrics,
-)
+from agent_grpo.trainer.metrics import StepMetrics, StepTimes, logprob_mismatch, step_metrics
 from agent_grpo.trainer.parallel import broadcast_object
 from agent_grpo.trainer.progress import RunProgress
 from agent_grpo.trainer.resume import check_resume, record_changes
@@ -62,27 +55,7 @@ from agent_grpo.trainer.trainer import Trainer, push_weights, share_rollout
 from agent_grpo.trainer.update import batch_logprobs, grpo_update
 from agent_grpo.trajectory.record import TrajectoryRecord
 
-__all__ = ["advantages_of", "train", "train_step", "trainable_rows"]
-
-
-def advantages_of(records: Sequence[TrajectoryRecord], algo: AlgoConfig) -> torch.Tensor:
-    """Group-relative advantages `[B]` of the records' total rewards, built in fp64 (float32
-    rewards of 1000.0001 and 1000.0002 are one number); excluded members count for nothing."""
-    rewards = torch.tensor([r.reward for r in records], dtype=torch.float64)  # [B]
-    valid = torch.tensor([counts_in_group(r) for r in records], dtype=torch.bool)  # [B]
-    return group_advantages(
-        rewards, [r.group_id for r in records], valid=valid, scale=algo.advantage_scale,
-        leave_one_out=algo.leave_one_out,
-    )  # fmt: skip
-
-
-def trainable_rows(records: Sequence[TrajectoryRecord], algo: AlgoConfig) -> torch.Tensor:
-    """`[B]` bool: the rows whose model tokens enter the loss (and its denominator): not
-    excluded, and with `drop_dead_groups` not in a group without reward variance."""
-    keep = torch.tensor([counts_in_group(r) for r in records], dtype=torch.bool)  # [B]
-    if algo.drop_dead_groups:
-        keep &= ~torch.tensor(dead_group_mask(records), dtype=torch.bool)  # [B]
-    return keep
+__all__ = ["train", "train_step"]
 
 
 def train_step(

@@ -16,26 +16,10 @@ import copy
 from pathlib import Path
 
 import torch
-from pydantic import Field
 
-from agent_grpo.config.base import ConfigModel
+from agent_grpo.config.jobs import LoraSettings
 
-__all__ = ["LoraSettings", "is_adapter_dir", "load_adapter", "merged_copy", "wrap_lora"]
-
-
-class LoraSettings(ConfigModel):
-    """A LoRA adapter on the policy (peft); the base weights stay frozen."""
-
-    r: int = Field(default=16, ge=1)
-    """Rank of each adapter."""
-    alpha: int = Field(default=32, ge=1)
-    """Scale: the update is `alpha / r * B @ A`."""
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    """Dropout on the adapter's input (training only)."""
-    target_modules: list[str] = [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    ]  # fmt: skip
-    """Names of the linear layers that get an adapter (Llama/Qwen naming)."""
+__all__ = ["is_adapter_dir", "load_adapter", "merged_copy", "wrap_lora"]
 
 
 def wrap_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:

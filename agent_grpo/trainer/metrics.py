@@ -10,14 +10,14 @@ missing key) and turns them into means once per optimizer step.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, fields
 
 import torch
 from pydantic import BaseModel
 
-from agent_grpo.algo.grpo import PolicyLossMetrics, has_reward_variance
+from agent_grpo.algo.groups import counts_in_group, dead_group_mask, group_indices
+from agent_grpo.algo.grpo import PolicyLossMetrics
 from agent_grpo.rollout.collector import RolloutResult
 from agent_grpo.rollout.summary import TrajectorySummary, summarize_trajectories
 from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
@@ -29,42 +29,11 @@ __all__ = [
     "StepTimes",
     "UpdateMetrics",
     "UpdateStats",
-    "counts_in_group",
-    "dead_group_mask",
     "logprob_mismatch",
     "reward_means",
     "signal_metrics",
     "step_metrics",
 ]
-
-
-def counts_in_group(record: TrajectoryRecord) -> bool:
-    """Whether an episode enters its group's statistics: not excluded by the trainer, not an
-    infrastructure failure, and a finite reward."""
-    return (
-        record.excluded is None
-        and record.termination.kind != "error"
-        and math.isfinite(record.reward)
-    )
-
-
-def _groups(records: Sequence[TrajectoryRecord]) -> dict[str, list[int]]:
-    groups: dict[str, list[int]] = defaultdict(list)
-    for i, record in enumerate(records):
-        groups[record.group_id].append(i)
-    return groups
-
-
-def dead_group_mask(records: Sequence[TrajectoryRecord]) -> list[bool]:
-    """Per record: True when its group carries no signal (`has_reward_variance` of its counted
-    members' total rewards, the rule `group_advantages` applies)."""
-    dead = [False] * len(records)
-    for rows in _groups(records).values():
-        rewards = [records[i].reward for i in rows if counts_in_group(records[i])]
-        flat = not has_reward_variance(rewards)
-        for i in rows:
-            dead[i] = flat
-    return dead
 
 
 class SignalMetrics(BaseModel):
@@ -99,7 +68,7 @@ def _model_tokens(record: TrajectoryRecord) -> tuple[int, ...]:
 
 def _duplicate_fraction(records: Sequence[TrajectoryRecord]) -> float:
     duplicates = 0
-    for rows in _groups(records).values():
+    for rows in group_indices(records).values():
         duplicates += len(rows) - len({_model_tokens(records[i]) for i in rows})
     return duplicates / max(1, len(records))
 
@@ -124,7 +93,7 @@ def signal_metrics(
 ) -> SignalMetrics:
     """Dead groups, exclusions, duplicates and length bias of a step's records."""
     dead = dead_group_mask(records)
-    groups = _groups(records)
+    groups = group_indices(records)
     counted = [r for r in records if counts_in_group(r)]
     lengths = [float(r.lengths.model) for r in records]
     pairs = list(zip(lengths, advantages, strict=True))

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from agent_grpo.algo.config import AlgoConfig
+from agent_grpo.algo.groups import advantages_of, dead_group_mask
 from agent_grpo.algo.grpo import group_advantages, has_reward_variance
-from agent_grpo.trainer.loop import advantages_of
-from agent_grpo.trainer.metrics import dead_group_mask
 from agent_grpo.trajectory.record import Lengths, Message, Termination, TrajectoryRecord
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0])

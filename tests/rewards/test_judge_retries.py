@@ -8,11 +8,11 @@ import time
 
 import httpx
 
+from agent_grpo.algo.groups import counts_in_group
 from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.rewards import JudgeRewardConfig, RewardFailure, apply_rewards, build_reward_fn
 from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult
 from agent_grpo.rollout.step import mark_excluded, score
-from agent_grpo.trainer.metrics import counts_in_group
 from agent_grpo.trajectory.record import Lengths, Message, Termination, TrajectoryRecord
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from agent_grpo.algo.groups import advantages_of, counts_in_group, trainable_rows
 from agent_grpo.config.base import ConfigError, load_config
 from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult
 from agent_grpo.rollout.step import score
-from agent_grpo.trainer.loop import advantages_of, trainable_rows
-from agent_grpo.trainer.metrics import counts_in_group, signal_metrics
+from agent_grpo.trainer.metrics import signal_metrics
 from agent_grpo.trajectory.record import Lengths, Message, Termination, TrajectoryRecord
 
 

@@ -3,13 +3,13 @@ tasks refill the batch."""
 
 from __future__ import annotations
 
+from agent_grpo.algo.groups import dead_group_mask
 from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.rollout import step as train
 from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult, Task
 from agent_grpo.rollout.sources import LocalRollouts
 from agent_grpo.testing import reward_rules
 from agent_grpo.testing.records import minimal_record
-from agent_grpo.trainer.metrics import dead_group_mask
 
 MEMBER_INDEX = f"{reward_rules.__name__}:member_index"
 

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from agent_grpo.algo.groups import advantages_of
 from agent_grpo.config.base import load_config
 from agent_grpo.config.jobs import AlgoConfig, TrainConfig
 from agent_grpo.models.loading import load_model
 from agent_grpo.models.logprobs import token_logprobs
 from agent_grpo.testing.records import minimal_record
 from agent_grpo.testing.reward_rules import reward_override
-from agent_grpo.trainer.loop import advantages_of, train
+from agent_grpo.trainer.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs/calculator-tiny.yaml"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from agent_grpo.config.base import ConfigError, load_config
-from agent_grpo.config.jobs import AlgoConfig, TrainConfig
+from agent_grpo.config.jobs import AlgoConfig, LoraSettings, TrainConfig
 from agent_grpo.models.loading import load_model
 from agent_grpo.models.logprobs import token_logprobs
 from agent_grpo.testing.cli_runs import agent_grpo, deterministic
@@ -20,7 +20,7 @@ from agent_grpo.testing.records import minimal_record
 from agent_grpo.testing.reward_rules import reward_override
 from agent_grpo.trainer.batch import pack_records
 from agent_grpo.trainer.loop import train
-from agent_grpo.trainer.lora import LoraSettings, wrap_lora
+from agent_grpo.trainer.lora import wrap_lora
 from agent_grpo.trainer.parallel import DistContext, wrap_policy
 from agent_grpo.trainer.policy import LogprobModel
 from agent_grpo.trainer.update import minibatch_update

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
+from agent_grpo.algo.groups import dead_group_mask
 from agent_grpo.rollout.summary import summarize_trajectories
 from agent_grpo.testing.records import minimal_record
-from agent_grpo.trainer.metrics import dead_group_mask, logprob_mismatch, signal_metrics
+from agent_grpo.trainer.metrics import logprob_mismatch, signal_metrics
 from agent_grpo.trajectory.record import Provenance, ToolCallRecord, TrajectoryRecord, TurnRecord
 
 
