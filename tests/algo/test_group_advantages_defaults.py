@@ -11,28 +11,16 @@ import torch
 from agent_grpo.algo.config import AlgoConfig
 from agent_grpo.algo.groups import advantages_of, dead_group_mask
 from agent_grpo.algo.grpo import group_advantages, has_reward_variance
-from agent_grpo.trajectory.record import Lengths, Message, Termination, TrajectoryRecord
+from agent_grpo.testing.records import minimal_record
+from agent_grpo.trajectory.record import TrajectoryRecord
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0])
 SIGNS = torch.tensor([1.0, -1.0, -1.0, 1.0])
 
 
 def record(group: str, index: int, reward: float) -> TrajectoryRecord:
-    return TrajectoryRecord(
-        group_id=group,
-        task_id=group,
-        index_in_group=index,
-        group_size=4,
-        env_id="e",
-        seed=0,
-        messages=[Message(role="user", content="q")],
-        token_ids=[],
-        provenance=[],
-        sampler_logprobs=[],
-        reward=reward,
-        termination=Termination(kind="terminated", reason="t"),
-        lengths=Lengths(),
-    )
+    """A record of a group of 4 (`minimal_record`)."""
+    return minimal_record(group, index, reward, group_size=4)
 
 
 def test_leave_one_out_alone_is_unscaled_as_the_config_trains_it() -> None:

@@ -10,26 +10,14 @@ from agent_grpo.config.base import ConfigError, load_config
 from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult
 from agent_grpo.rollout.step import score
+from agent_grpo.testing.records import minimal_record
 from agent_grpo.trainer.metrics import signal_metrics
-from agent_grpo.trajectory.record import Lengths, Message, Termination, TrajectoryRecord
+from agent_grpo.trajectory.record import TrajectoryRecord
 
 
 def record(group: str, index: int, reward: float, kind: str = "terminated") -> TrajectoryRecord:
-    return TrajectoryRecord(
-        group_id=group,
-        task_id=group,
-        index_in_group=index,
-        group_size=4,
-        env_id="e",
-        seed=0,
-        messages=[Message(role="user", content="q")],
-        token_ids=[],
-        provenance=[],
-        sampler_logprobs=[],
-        reward=reward,
-        termination=Termination(kind=kind, reason="env raised" if kind == "error" else "t"),  # type: ignore[arg-type]
-        lengths=Lengths(),
-    )
+    """A record of a group of 4 (`minimal_record`)."""
+    return minimal_record(group, index, reward, group_size=4, kind=kind)
 
 
 def step(on_failure: str | None, records: list[TrajectoryRecord]) -> list[TrajectoryRecord]:
