@@ -2,17 +2,19 @@
 an `ImportError` that names the new one, instead of a bare "No module named".
 
 A meta-path finder sees the import before the normal search; it answers only for the old names
-below and leaves every other import alone.
+below and leaves every other import alone. Names that moved out of a module that still exists
+fail the same way through that module's `__getattr__` (`moved_names`).
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
+from typing import NoReturn
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "install", "moved_names"]
 
 MOVED = {
     "agent_grpo.env": "agent_grpo.envs.text_env",
@@ -80,3 +82,18 @@ def install() -> None:
     """Put the finder first on `sys.meta_path` (once)."""
     if not any(isinstance(finder, _MovedFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _MovedFinder())
+
+
+def moved_names(module: str, names: Mapping[str, str]) -> Callable[[str], NoReturn]:
+    """A module's `__getattr__` for the names that moved out of it (name -> its new module).
+
+    `from module import name` then fails with an `ImportError` naming the new module; any other
+    missing name is the usual `AttributeError`.
+    """
+
+    def __getattr__(name: str) -> NoReturn:
+        if name in names:
+            raise ImportError(f"{module}.{name} moved: import it from {names[name]}", name=module)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}", name=name)
+
+    return __getattr__

@@ -68,22 +68,6 @@ def test_import_agent_grpo_is_light_and_api_names_resolve() -> None:
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ("agent_grpo.env", "agent_grpo.envs.text_env"),
-        ("agent_grpo.train.loop", "agent_grpo.trainer"),
-        ("agent_grpo.train.config", "agent_grpo.trainer"),
-        ("agent_grpo.tools.sandbox", "agent_grpo.sandbox.runner"),
-        ("agent_grpo.rollout.hf_backend", "agent_grpo.rollout.backends.hf"),
-    ],
-)
-def test_a_moved_module_names_its_new_place(old: str, new: str) -> None:
-    done = subprocess.run([sys.executable, "-c", f"import {old}"], capture_output=True, text=True)
-    assert done.returncode == 1
-    assert f"moved: import {new}" in done.stderr.splitlines()[-1]
-
-
 def test_train_is_the_api_function(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     seen: list[TrainConfig] = []
 

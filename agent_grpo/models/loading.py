@@ -30,7 +30,7 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -42,6 +42,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from agent_grpo._moved import moved_names
 from agent_grpo.config.base import close_match
 from agent_grpo.logs import get_logger
 from agent_grpo.models.attention import use_grouped_sdpa
@@ -467,3 +468,13 @@ def _merged_adapter(path: Path, *, dtype: torch.dtype, device: str) -> PreTraine
     base = load_model(base_name, dtype=dtype, device=device)
     merged: PreTrainedModel = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
     return merged.eval()
+
+
+if not TYPE_CHECKING:  # hidden from the type checker, which would otherwise accept any name here
+    __getattr__ = moved_names(
+        __name__,
+        dict.fromkeys(
+            ("build_tiny_model", "save_tiny_model", "tiny_model_config"),
+            "agent_grpo.testing.tiny_model",
+        ),
+    )

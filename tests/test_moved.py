@@ -1,0 +1,42 @@
+"""Old module paths and moved names fail with an `ImportError` that names the new place."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from agent_grpo.models import loading
+from agent_grpo.testing import tiny_model
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("agent_grpo.env", "agent_grpo.envs.text_env"),
+        ("agent_grpo.train.loop", "agent_grpo.trainer"),
+        ("agent_grpo.train.config", "agent_grpo.trainer"),
+        ("agent_grpo.tools.sandbox", "agent_grpo.sandbox.runner"),
+        ("agent_grpo.rollout.hf_backend", "agent_grpo.rollout.backends.hf"),
+    ],
+)
+def test_a_moved_module_names_its_new_place(old: str, new: str) -> None:
+    done = subprocess.run([sys.executable, "-c", f"import {old}"], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert f"moved: import {new}" in done.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("name", ["build_tiny_model", "save_tiny_model", "tiny_model_config"])
+def test_a_tiny_model_name_imported_from_loading_names_its_new_module(name: str) -> None:
+    assert callable(getattr(tiny_model, name))
+    moved = f"agent_grpo.models.loading.{name} moved: import it from agent_grpo.testing.tiny_model"
+    with pytest.raises(ImportError, match=re.escape(moved)):
+        exec(f"from agent_grpo.models.loading import {name}", {})
+
+
+def test_a_name_loading_never_had_fails_as_usual() -> None:
+    with pytest.raises(ImportError, match="cannot import name 'no_such_name'"):
+        exec("from agent_grpo.models.loading import no_such_name", {})
+    assert not hasattr(loading, "no_such_name")
