@@ -272,7 +272,8 @@ class RayRolloutPool:
         """
         cpu = {k: v.detach().to("cpu") for k, v in state_dict.items()}
         shared = self._ray.put(cpu)
-        self._pushes = [worker.update_weights.remote(shared, version) for worker in self.workers]
+        for worker in self.workers:
+            worker.update_weights.remote(shared, version)
 
     def close(self) -> None:
         """Release every worker's backend and end the actors."""

@@ -508,11 +508,6 @@ class RunWriter:
         sample (index in group) and filter, without reading any trajectory file."""
         return select_entries(self.index(), step, group, sample, record_filter)
 
-    def read_entry(self, entry: IndexEntry) -> TrajectoryRecord | None:
-        """The record `entry` points to, read by seeking; found by scanning its file when the
-        file changed under the index (a line grew or shrank); None, with a warning, if gone."""
-        return self._seek(entry) or self._scan_for(entry, {})
-
     def _seek(self, entry: IndexEntry) -> TrajectoryRecord | None:
         """The record at the entry's offset, if the bytes there are still that record."""
         path = self.path / entry.file
