@@ -63,9 +63,12 @@ def advantages_of(records: Sequence[TrajectoryRecord], algo: AlgoConfig) -> torc
     rewards = torch.tensor([r.reward for r in records], dtype=torch.float64)  # [B]
     valid = torch.tensor([counts_in_group(r) for r in records], dtype=torch.bool)  # [B]
     return group_advantages(
-        rewards, [r.group_id for r in records], valid=valid, scale=algo.advantage_scale,
+        rewards,
+        [r.group_id for r in records],
+        valid=valid,
+        scale=algo.advantage_scale,
         leave_one_out=algo.leave_one_out,
-    )  # fmt: skip
+    )
 
 
 def trainable_rows(records: Sequence[TrajectoryRecord], algo: AlgoConfig) -> torch.Tensor:

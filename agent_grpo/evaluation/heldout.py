@@ -41,8 +41,12 @@ class EvalResult(BaseModel):
 
     def row(self) -> dict[str, float]:
         """Flat `eval_<name>` metrics for `metrics.jsonl`."""
-        flat = {"tasks": self.tasks, "samples_per_task": self.samples_per_task,
-                "pass_at_k": self.pass_at_k, **self.summary.model_dump()}  # fmt: skip
+        flat = {
+            "tasks": self.tasks,
+            "samples_per_task": self.samples_per_task,
+            "pass_at_k": self.pass_at_k,
+            **self.summary.model_dump(),
+        }
         return {f"eval_{k}": float(v) for k, v in flat.items()}
 
 
@@ -82,9 +86,11 @@ def evaluate(
         temperature=temperature, max_tokens=max_tokens, seed=seed, stop=list(stop)
     )
     options = CollectOptions(
-        group_size=samples, sampling=sampling, max_context_tokens=max_context_tokens,
+        group_size=samples,
+        sampling=sampling,
+        max_context_tokens=max_context_tokens,
         show_progress=progress,
-    )  # fmt: skip
+    )
     result = collect_groups(tasks, backend, tokenizer, options, step=step)
     return summarise_eval(result.records), result.records
 

@@ -27,15 +27,25 @@ def run_eval(
     if config.eval is None:
         return None
     result, _ = evaluate_heldout(
-        backend, tokenizer, config.env, config.eval,
-        max_context_tokens=config.rollout.max_context_tokens, seed=config.seed, stop=stop,
+        backend,
+        tokenizer,
+        config.env,
+        config.eval,
+        max_context_tokens=config.rollout.max_context_tokens,
+        seed=config.seed,
+        stop=stop,
         progress=False,
-    )  # fmt: skip
+    )
     # Training comes next, and its warm start and update can use what the eval cached.
     backend.free_caches()
-    log.info("eval %s: success %.3f, pass@%d %.3f, tool calls %.2f", label,
-             result.summary.success_rate, result.samples_per_task, result.pass_at_k,
-             result.summary.tool_call_rate)  # fmt: skip
+    log.info(
+        "eval %s: success %.3f, pass@%d %.3f, tool calls %.2f",
+        label,
+        result.summary.success_rate,
+        result.samples_per_task,
+        result.pass_at_k,
+        result.summary.tool_call_rate,
+    )
     return result
 
 
@@ -51,7 +61,13 @@ def print_summary(
     for name, result in rows:
         if result is not None:
             s = result.summary
-            values = (s.success_rate, result.pass_at_k, s.reward_mean, s.tool_call_rate,
-                      s.turns_mean, s.model_tokens_mean)  # fmt: skip
+            values = (
+                s.success_rate,
+                result.pass_at_k,
+                s.reward_mean,
+                s.tool_call_rate,
+                s.turns_mean,
+                s.model_tokens_mean,
+            )
             table.add_row(name, *(f"{v:.3f}" for v in values))
     Console().print(table)

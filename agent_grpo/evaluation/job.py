@@ -30,9 +30,14 @@ def run_eval_job(config: EvalRunConfig) -> Path:
     backend = build_backend(config.backend, model, tokenizer, path, None, limits)
     stop = env_stop_strings(config.env.id, config.env.kwargs)
     result, records = evaluate_heldout(
-        backend, tokenizer, config.env, config.eval,
-        max_context_tokens=config.max_context_tokens, seed=config.seed, stop=stop,
-    )  # fmt: skip
+        backend,
+        tokenizer,
+        config.env,
+        config.eval,
+        max_context_tokens=config.max_context_tokens,
+        seed=config.seed,
+        stop=stop,
+    )
     backend.close()
     run = RunWriter.create(config.run.root, run_id=config.run.name, config_text=dump_config(config))
     run.write_metrics(0, result.row())

@@ -184,8 +184,10 @@ def panel_curves(rows: Sequence[Mapping[str, Any]], panel: str) -> list[Curve]:
             _curve(rows, k.removeprefix("rewards/").removesuffix("/mean"), (k,)) for k in keys
         ]
     elif panel == "success":
-        curves = [_curve(rows, "train", columns["success"]),
-                  _curve(rows, "eval (held-out)", columns["eval success"])]  # fmt: skip
+        curves = [
+            _curve(rows, "train", columns["success"]),
+            _curve(rows, "eval (held-out)", columns["eval success"]),
+        ]
     else:
         curves = [_curve(rows, panel, columns[panel])]
     return [c for c in curves if c.steps]
@@ -432,6 +434,12 @@ def drift_table(record: TrajectoryRecord, drifts: Sequence[TurnDrift]) -> Table:
     headers = ("turn", "tokens", "|new-sampler| mean", "max", "|new-old| mean", "max")
     table = Table(*headers, title=f"logprob drift {record.uid}")
     for d in drifts:
-        table.add_row(str(d.turn), str(d.tokens), _format(d.sampler_mean), _format(d.sampler_max),
-                      _format(d.old_mean), _format(d.old_max))  # fmt: skip
+        table.add_row(
+            str(d.turn),
+            str(d.tokens),
+            _format(d.sampler_mean),
+            _format(d.sampler_max),
+            _format(d.old_mean),
+            _format(d.old_max),
+        )
     return table

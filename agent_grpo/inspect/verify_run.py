@@ -242,8 +242,9 @@ def _chain_problems(entries: Sequence[tuple[int, ManifestEntry]], key: bytes | N
         what = f"{MANIFEST} byte {offset} ({entry.piece.kind} entry {entry.seq})"
         signed = entry.digest.startswith("hmac-sha256:")
         if entry.seq != seq or entry.prev != prev:
-            problems.append(f"{what}: does not follow entry {seq - 1}: an entry was deleted, "
-                            "added or moved")  # fmt: skip
+            problems.append(
+                f"{what}: does not follow entry {seq - 1}: an entry was deleted, added or moved"
+            )
         if key is not None and not signed:
             problems.append(f"{what}: not signed, but {KEY_ENV} is set: written without the key")
         elif (key is not None or not signed) and digest_of(entry.body(), key) != entry.digest:
@@ -261,8 +262,10 @@ def _metrics_problems(run: Path, state: RunState) -> list[str]:
         if i >= len(rows):
             return [f"metrics.jsonl: the row of step {piece.step} (row {i}) is missing"]
         if sha256_bytes(rows[i]) != piece.sha256:
-            return [f"metrics.jsonl row {i}: not the row of step {piece.step} as written "
-                    "(edited, deleted or moved)"]  # fmt: skip
+            return [
+                f"metrics.jsonl row {i}: not the row of step {piece.step} as written "
+                "(edited, deleted or moved)"
+            ]
     extra = len(rows) - len(state.metrics) + (1 if torn else 0)
     return [f"metrics.jsonl: {extra} row(s) after the last recorded one"] if extra else []
 
@@ -275,8 +278,10 @@ def _step_file_problems(file: str, data: bytes, pieces: Sequence[TrajectoryPiece
             return [f"{file}: bytes {position}..{piece.offset} are not the manifest's"]
         block = data[piece.offset : piece.offset + piece.length]
         if sha256_bytes(block) != piece.sha256:
-            return [f"{file}: the {piece.records} records at byte {piece.offset} are not the bytes "
-                    "written (edited, reordered, cut or replaced)"]  # fmt: skip
+            return [
+                f"{file}: the {piece.records} records at byte {piece.offset} are not the bytes "
+                "written (edited, reordered, cut or replaced)"
+            ]
         position = piece.offset + piece.length
     if position != len(data):
         return [
@@ -287,8 +292,11 @@ def _step_file_problems(file: str, data: bytes, pieces: Sequence[TrajectoryPiece
 
 def _trajectory_problems(run: Path, state: RunState) -> list[str]:
     folder = run / "trajectories"
-    found = {int(m.group(1)) for p in folder.glob("step_*.jsonl")
-             if (m := re.fullmatch(r"step_(\d+)\.jsonl", p.name))}  # fmt: skip
+    found = {
+        int(m.group(1))
+        for p in folder.glob("step_*.jsonl")
+        if (m := re.fullmatch(r"step_(\d+)\.jsonl", p.name))
+    }
     problems = []
     for step in sorted(found | set(state.trajectories)):
         file = f"trajectories/step_{step:06d}.jsonl"
@@ -305,8 +313,11 @@ def _trajectory_problems(run: Path, state: RunState) -> list[str]:
 
 def _checkpoint_problems(run: Path, state: RunState) -> list[str]:
     folder = run / "checkpoints"
-    found = {int(m.group(1)): p for p in (folder.iterdir() if folder.is_dir() else ())
-             if (m := re.fullmatch(r"step_(\d+)", p.name))}  # fmt: skip
+    found = {
+        int(m.group(1)): p
+        for p in (folder.iterdir() if folder.is_dir() else ())
+        if (m := re.fullmatch(r"step_(\d+)", p.name))
+    }
     problems = []
     for step in sorted(set(found) | set(state.checkpoints)):
         name, piece = f"checkpoints/step_{step:06d}", state.checkpoints.get(step)
@@ -389,11 +400,15 @@ def check_run(
     facts = RunFacts.from_config_text(config.read_text() if config.exists() else "")
     check, passed = RunCheck(), "records agree with config.yaml"
     if not whole:
-        check.warnings.append("--step, --group, --sample or a filter is set: the run as a whole "
-                              "(its manifest) is not checked")  # fmt: skip
+        check.warnings.append(
+            "--step, --group, --sample or a filter is set: the run as a whole "
+            "(its manifest) is not checked"
+        )
     elif not (run / MANIFEST).exists():
-        check.warnings.append(f"no {MANIFEST} (written before runs carried one): unverifiable as "
-                              "a whole; its records are checked one by one")  # fmt: skip
+        check.warnings.append(
+            f"no {MANIFEST} (written before runs carried one): unverifiable as "
+            "a whole; its records are checked one by one"
+        )
     else:
         check.problems, check.warnings, entries = manifest_problems(run, key)
         how = "signed with the key" if key else "sha256, not a signature"

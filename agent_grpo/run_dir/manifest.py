@@ -132,10 +132,14 @@ class RollbackPiece(_Piece):
 
 
 Piece = Annotated[
-    ConfigPiece | TrajectoryPiece | MetricsPiece | CheckpointPiece | CheckpointRemoved
+    ConfigPiece
+    | TrajectoryPiece
+    | MetricsPiece
+    | CheckpointPiece
+    | CheckpointRemoved
     | RollbackPiece,
     Field(discriminator="kind"),
-]  # fmt: skip
+]
 
 
 class ManifestEntry(BaseModel):

@@ -532,8 +532,10 @@ class RunWriter:
         if entry.file not in scanned:
             log.warning(
                 "%s: the index entry of %s (byte %d) does not match the file; scanning its lines",
-                path, entry.uid, entry.offset,
-            )  # fmt: skip
+                path,
+                entry.uid,
+                entry.offset,
+            )
             by_uid: dict[str, TrajectoryRecord] = {}
             for found in _records_in(path):
                 by_uid.setdefault(found.uid, found)
@@ -621,8 +623,11 @@ class RunWriter:
             return self._tail[0], self._tail[1]
         lines = parse_manifest(self._manifest.read_bytes() if size else b"")
         if lines and lines[-1].entry is None:
-            log.warning("%s: cutting off a torn last entry at byte %d: its piece is unrecorded",
-                        self._manifest, lines[-1].offset)  # fmt: skip
+            log.warning(
+                "%s: cutting off a torn last entry at byte %d: its piece is unrecorded",
+                self._manifest,
+                lines[-1].offset,
+            )
             os.truncate(self._manifest, lines[-1].offset)
         entries = [line.entry for line in lines if line.entry is not None]
         return (entries[-1].seq + 1, entries[-1].digest) if entries else (0, GENESIS)
@@ -698,19 +703,34 @@ def _parquet_columns() -> dict[str, Any]:
     import pyarrow as pa
 
     scalars = {
-        "run_id": pa.string(), "step": pa.int64(), "uid": pa.string(), "group_id": pa.string(),
-        "task_id": pa.string(), "index_in_group": pa.int64(), "group_size": pa.int64(),
-        "env_id": pa.string(), "seed": pa.int64(), "reward": pa.float64(),
-        "success": pa.bool_(), "advantage": pa.float64(), "termination_kind": pa.string(),
-        "termination_reason": pa.string(), "sampling_temperature": pa.float64(),
-        "num_tokens": pa.int64(), "num_model_tokens": pa.int64(), "num_turns": pa.int64(),
-        "tool_errors": pa.int64(), "malformed_tool_calls": pa.int64(),
-    }  # fmt: skip
+        "run_id": pa.string(),
+        "step": pa.int64(),
+        "uid": pa.string(),
+        "group_id": pa.string(),
+        "task_id": pa.string(),
+        "index_in_group": pa.int64(),
+        "group_size": pa.int64(),
+        "env_id": pa.string(),
+        "seed": pa.int64(),
+        "reward": pa.float64(),
+        "success": pa.bool_(),
+        "advantage": pa.float64(),
+        "termination_kind": pa.string(),
+        "termination_reason": pa.string(),
+        "sampling_temperature": pa.float64(),
+        "num_tokens": pa.int64(),
+        "num_model_tokens": pa.int64(),
+        "num_turns": pa.int64(),
+        "tool_errors": pa.int64(),
+        "malformed_tool_calls": pa.int64(),
+    }
     arrays = {
-        "token_ids": pa.list_(pa.int64()), "provenance": pa.list_(pa.string()),
-        "sampler_logprobs": pa.list_(pa.float64()), "old_logprobs": pa.list_(pa.float64()),
+        "token_ids": pa.list_(pa.int64()),
+        "provenance": pa.list_(pa.string()),
+        "sampler_logprobs": pa.list_(pa.float64()),
+        "old_logprobs": pa.list_(pa.float64()),
         "ref_logprobs": pa.list_(pa.float64()),
-    }  # fmt: skip
+    }
     # Free-form nested fields stay JSON text: their keys differ between envs and records.
     nested = dict.fromkeys(["messages", "turns", "verifier", "reward_components"], pa.string())
     return {**scalars, **arrays, **{f"{k}_json": v for k, v in nested.items()}}
@@ -733,9 +753,20 @@ def _parquet_row(r: TrajectoryRecord) -> dict[str, Any]:
 
 
 _PARQUET_SCALARS_FROM_RECORD = (
-    "run_id", "step", "group_id", "task_id", "index_in_group", "group_size", "env_id", "seed",
-    "reward", "success", "advantage", "sampling_temperature", "malformed_tool_calls",
-)  # fmt: skip
+    "run_id",
+    "step",
+    "group_id",
+    "task_id",
+    "index_in_group",
+    "group_size",
+    "env_id",
+    "seed",
+    "reward",
+    "success",
+    "advantage",
+    "sampling_temperature",
+    "malformed_tool_calls",
+)
 _PARQUET_ARRAYS = ("token_ids", "provenance", "sampler_logprobs", "old_logprobs", "ref_logprobs")
 _PARQUET_NESTED = ("messages", "turns", "verifier", "reward_components")
 
@@ -757,9 +788,15 @@ def _index_entry(
     fields = record.model_dump(include=_INDEXED_FIELDS)
     termination, errors = record.termination.kind, _tool_errors(record)
     return IndexEntry(
-        **fields, step=step, uid=record.uid, termination=termination, tool_errors=errors,
-        file=file, offset=offset, length=length,
-    )  # fmt: skip
+        **fields,
+        step=step,
+        uid=record.uid,
+        termination=termination,
+        tool_errors=errors,
+        file=file,
+        offset=offset,
+        length=length,
+    )
 
 
 def _trajectory_piece(
