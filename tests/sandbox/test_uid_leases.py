@@ -56,6 +56,7 @@ def start_caller(tmpdir: str) -> subprocess.Popen[str]:
     return caller
 
 
+@pytest.mark.slow  # eight 0.3 s calls in turn on one uid
 @needs_root_bwrap_cgroup
 def test_processes_with_different_tmpdirs_never_share_a_uid(tmp_path: Path) -> None:
     for name in ("a", "b"):
