@@ -8,11 +8,12 @@ a private `/proc` (its own PID namespace), a minimal `/dev`, and two size-capped
 `/etc/resolv.conf`, `/etc/nsswitch.conf` and `/etc/ssl` are added so names resolve.
 
 Where this departs from the usual bwrap recipe, and why:
-- bwrap runs as an unprivileged uid (a private one leased per call when we are root), never as
-  root. Run as root, bwrap maps the code to host uid 0 with no capabilities, and bwrap 0.8 leaves
-  `/proc/sys` writable (it only covers it when the directory itself is writable): measured here,
-  such code wrote `/proc/sys/vm/swappiness` and opened `/proc/sys/kernel/core_pattern` for
-  writing, which is a known way out to host root. As an unprivileged uid both are EACCES.
+- bwrap runs as an unprivileged uid (a private one leased per call when we are root), never as root.
+  Run as root, bwrap maps the code to host uid 0 with no capabilities, and bwrap 0.8 leaves
+  `/proc/sys` writable (it only covers it when the directory itself is writable): run that way, such
+  code wrote `/proc/sys/vm/swappiness` and opened `/proc/sys/kernel/core_pattern` for writing
+  (`test_writes_outside_the_workdir_fail` fails), which is a known way out to host root. As an
+  unprivileged uid both are EACCES.
 - So the interpreter must be one that uid can reach: ours when every directory above it lets
   others through, else the system's `python3` (a pyenv interpreter under `/root`, mode 0700, is
   not reachable). `SandboxLimits.python` picks one explicitly.
@@ -58,10 +59,10 @@ _LIBRARY_DIRS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/lib
 _NETWORK_FILES = ("/etc/hosts", "/etc/resolv.conf", "/etc/nsswitch.conf", "/etc/ssl")
 # PID 1 of the sandbox: runs the program and exits with its status (128+N for signal N). When it
 # exits, the kernel kills and reaps every other process of the namespace before bwrap's monitor
-# reaps it, so not even a zombie is left (bwrap's own init is orphaned when the monitor exits,
-# and waits for the machine's init to reap it: here up to 2 s). The program keeps the real
-# stderr; the shell's own goes to /dev/null, and the program runs in a subshell so the shell's
-# "Killed" notice is written there rather than into the program's stderr.
+# reaps it, so not even a zombie is left (bwrap's own init is orphaned when the monitor exits, and
+# waits for the machine's init to reap it, seconds later on our machines: docs/benchmarks.md). The
+# program keeps the real stderr; the shell's own goes to /dev/null, and the program runs in a
+# subshell so the shell's "Killed" notice is written there rather than into the program's stderr.
 _INIT = 'exec 3>&2 2>/dev/null; (exec "$@" 2>&3 3>&-); exit $?'
 _PROBE = (
     "import json, os, sys, sysconfig\n"

@@ -41,7 +41,7 @@ __all__ = ["BwrapStatus", "Launch", "RawRun", "code_exit", "run_launch"]
 # root, then bwrap (or, in the fallback, the interpreter). It is started by `setpriv
 # --pdeathsig KILL`: the kernel's SIGHUP to orphaned stopped groups does not reach a group in its
 # own session, so without it a gate whose parent died while it waited would stay stopped forever
-# (measured). From bwrap on, `--die-with-parent` does the same.
+# (as gates did before it). From bwrap on, `--die-with-parent` does the same.
 _GATE = 'kill -STOP $$ && exec "$@"; exit 125'
 _STOP_GRACE_S = 1.0
 """How long bwrap's monitor gets to reap the killed sandbox before the process-group SIGKILL."""
@@ -180,7 +180,8 @@ def _release(pid: int, cgroup: CallCgroup | None, rlimits: dict[int, tuple[int, 
     """Put the gate in its cgroup, set its rlimits, and continue it once it has stopped itself.
 
     The gate forks nothing before it is continued, so this need not wait for its stop, and the
-    cgroup move (one RCU grace period, 5-10 ms here) overlaps its start. Only SIGCONT must come
+    cgroup move (one RCU grace period in cgroup v1, a call's largest fixed cost after its two
+    process starts: docs/benchmarks.md) overlaps its start. Only SIGCONT must come
     after the stop: sent before, it would be lost and the gate would stop for good.
     """
     try:

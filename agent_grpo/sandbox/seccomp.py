@@ -3,23 +3,23 @@ no file locks, sockets of three families only, no io_uring, userfaultfd, perf ev
 only the native syscall ABI.
 
 Kernel keyrings belong to no namespace bwrap unshares. Each call's new user namespace gets fresh
-keyrings, but the keys in them outlive the call until the kernel's key GC runs: measured here, a
-key one call left readable by its uid was read by the next call on the same uid, 30-50 ms later.
-So `add_key`, `request_key` and `keyctl` fail with EPERM, as under Docker's default profile.
-inotify and fanotify watch inodes, not mounts: measured here, a call watching a stdlib file saw
-the host open it, so concurrent calls could signal each other through the files they share
-read-only; `inotify_init`, `inotify_init1` and `fanotify_init` fail with EPERM too, and so does
-fcntl's F_NOTIFY (dnotify, the older form of the same channel). File locks are the same kind of
-channel: a lock on a shared read-only file (the interpreter, a stdlib module) is seen by every
-call and by the host, and an exclusive one blocks host callers of `flock` on that file; so
+keyrings, but the keys in them outlive the call until the kernel's key GC runs: without this filter,
+a key one call left readable by its uid was read by the next call on the same uid (how long keys
+linger: docs/benchmarks.md). So `add_key`, `request_key` and `keyctl` fail with EPERM, as under
+Docker's default profile. inotify and fanotify watch inodes, not mounts: without this filter, a call
+watching a stdlib file saw the host open it, so concurrent calls could signal each other through the
+files they share read-only; `inotify_init`, `inotify_init1` and `fanotify_init` fail with EPERM too,
+and so does fcntl's F_NOTIFY (dnotify, the older form of the same channel). File locks are the same
+kind of channel: a lock on a shared read-only file (the interpreter, a stdlib module) is seen by
+every call and by the host, and an exclusive one blocks host callers of `flock` on that file; so
 `flock` and fcntl's record-lock commands fail with EPERM. Sockets are refused by allow-list: only
 AF_UNIX, AF_INET and AF_INET6 may be created (socketpair: AF_UNIX), every other family fails with
-EAFNOSUPPORT. Families a network namespace does not cover (AF_VSOCK: measured here, a sandboxed
-call bound a vsock port of the VM) or that talk to the kernel (netlink, packet, bluetooth, ...)
-are of no use to a stdlib program, and a deny-list would miss the next family a kernel adds.
+EAFNOSUPPORT. Families a network namespace does not cover (AF_VSOCK: without this filter, a
+sandboxed call bound a vsock port of the VM) or that talk to the kernel (netlink, packet, bluetooth,
+...) are of no use to a stdlib program, and a deny-list would miss the next family a kernel adds.
 io_uring, `userfaultfd`, `perf_event_open` and `bpf` are open to unprivileged processes here
-(`kernel.io_uring_disabled=0`, userfaultfd in user mode), of no use to a stdlib program, and
-common paths of kernel exploits (Docker refuses them too).
+(`kernel.io_uring_disabled=0`, userfaultfd in user mode), of no use to a stdlib program, and common
+paths of kernel exploits (Docker refuses them too).
 
 Where this departs from common practice, and why: the filter is a few dozen classic-BPF
 instructions written here, not generated with libseccomp, which has no binding for our

@@ -8,9 +8,10 @@ the same uid, and the second disposed of the first's cgroup as stale, killing it
 every uid is leased, a call waits for one (up to `LEASE_WAIT_S`) rather than failing.
 
 Where this departs from common practice, and why: the uid is dropped by util-linux `setpriv` after
-exec rather than by `Popen(user=...)`, which disables vfork: forking a trainer holding 3 GB took
-118 ms that way here, against 0.2 ms with vfork. The fallback's host working dir is removed by
-`rm -rf` running as the code's own uid, so root never walks a tree the code could write.
+exec rather than by `Popen(user=...)`, which disables vfork, so every call would copy the page
+tables of a trainer holding gigabytes (the cost: docs/benchmarks.md). The fallback's host working
+dir is removed by `rm -rf` running as the code's own uid, so root never walks a tree the code could
+write.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def drop_argv(uid: int | None) -> list[str]:
     """util-linux `setpriv`: become the leased uid (no groups, no new privileges), then exec.
 
     The uid is dropped after exec, not by Popen(user=...): that disables vfork, and forking a
-    trainer holding 3 GB took 118 ms here against 0.2 ms with vfork.
+    large trainer without vfork is far slower (docs/benchmarks.md).
     """
     if uid is None:
         return []
