@@ -240,6 +240,7 @@ def _aggregate(
     aggregation: Aggregation,
     max_tokens: int | None,
     denominator: float | Tensor | None,
+    sequence_tokens: Tensor | None = None,
 ) -> Tensor:
     """Reduce a `[B, T]` per-token loss to a scalar (see `policy_loss` for each mode)."""
     if aggregation == "token-mean":
@@ -247,7 +248,10 @@ def _aggregate(
         return masked_sum(per_token, mask) / count
     if aggregation == "seq-mean-token-mean":
         has_tokens = mask.any(dim=-1)  # [B]
-        seq_means = masked_mean(per_token, mask, dim=-1)  # [B]
+        if sequence_tokens is None:
+            seq_means = masked_mean(per_token, mask, dim=-1)  # [B]
+        else:  # a row is one branch: its share of its sequence's mean
+            seq_means = masked_sum(per_token, mask, dim=-1) / sequence_tokens.clamp(min=1)  # [B]
         count = has_tokens.sum().clamp(min=1) if denominator is None else denominator
         return masked_sum(seq_means, has_tokens) / count
     if aggregation == "seq-mean-token-sum-norm":
@@ -302,6 +306,7 @@ def policy_loss(
     max_tokens: int | None = None,
     is_weights: Tensor | None = None,
     denominator: float | Tensor | None = None,
+    sequence_tokens: Tensor | None = None,
 ) -> tuple[Tensor, PolicyLossMetrics]:
     """Clipped GRPO surrogate: per token `-min(rho*A, clip(rho, 1-lo, 1+hi)*A) + beta*KL`.
 
@@ -317,7 +322,9 @@ def policy_loss(
       token (Dr. GRPO; verl's mode of that name, TRL's `dr_grpo`: module docstring).
     `denominator` replaces the divisor (tokens, sequences, or `R * max_tokens`): with gradient
     accumulation over micro-batches, pass the whole batch's count so the summed micro-batch
-    losses equal the loss of the whole batch.
+    losses equal the loss of the whole batch. A sequence may span several rows (the branches
+    of a forked episode): `sequence_tokens` `[B]` then gives each row its whole sequence's
+    masked-token count, so `seq-mean-token-mean` averages each sequence once.
     """
     mask = mask.bool()  # [B, T]
     if advantages.dim() == 1:
@@ -340,7 +347,7 @@ def policy_loss(
         kl_ref = kl_penalty(logprobs.detach(), ref, "k3")  # [B, T], for the metric only
     elif beta != 0.0:
         raise ValueError("beta != 0 needs ref_logprobs")
-    loss = _aggregate(per_token, mask, aggregation, max_tokens, denominator)
+    loss = _aggregate(per_token, mask, aggregation, max_tokens, denominator, sequence_tokens)
     approx_kl_old = kl_penalty(old, logprobs.detach(), "k3")  # [B, T]
     metrics = _metrics(ratio, advantages, mask, clip_low, clip_high, approx_kl_old, kl_ref)
     return loss, metrics

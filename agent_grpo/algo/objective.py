@@ -18,15 +18,20 @@ from agent_grpo.algo.grpo import PolicyLossMetrics, policy_loss, truncated_is_we
 __all__ = ["MicroBatchLoss", "grpo_micro_batch_loss", "loss_denominator"]
 
 
-def loss_denominator(loss_mask: Tensor, algo: AlgoConfig, max_tokens: int) -> int:
+def loss_denominator(
+    loss_mask: Tensor, algo: AlgoConfig, max_tokens: int, episode_index: Tensor | None = None
+) -> int:
     """What the summed token losses of a `[B, T]` batch are divided by: its model tokens
-    (`token-mean`), its rows with a model token (`seq-mean-token-mean`) or those rows times the
-    constant `max_tokens` (`seq-mean-token-sum-norm`). Rows with no token in the loss (excluded
-    episodes, dropped groups, dead groups under `drop_dead_groups`) are in no denominator. May
-    be 0; callers clamp it after summing over ranks."""
+    (`token-mean`), its sequences with a model token (`seq-mean-token-mean`) or those sequences
+    times the constant `max_tokens` (`seq-mean-token-sum-norm`). A sequence is an episode: the
+    rows of one `episode_index` value (`[B]`, the branches of a forked episode) count once;
+    without it each row is one. Rows with no token in the loss (excluded episodes, dropped
+    groups, dead groups under `drop_dead_groups`) are in no denominator. May be 0; callers clamp
+    it after summing over ranks."""
     if algo.aggregation == "token-mean":
         return int(loss_mask.sum())
-    rows = int(loss_mask.any(dim=1).sum())
+    trains = loss_mask.any(dim=1)  # [B]
+    rows = int(trains.sum()) if episode_index is None else len(set(episode_index[trains].tolist()))
     if algo.aggregation == "seq-mean-token-mean":
         return rows
     return rows * max_tokens
@@ -55,11 +60,13 @@ def grpo_micro_batch_loss(
     *,
     max_tokens: int,
     denominator: float,
+    sequence_tokens: Tensor | None = None,
 ) -> MicroBatchLoss:
     """The GRPO loss of a micro-batch as a share of its minibatch's (`denominator`).
 
     `logprobs` (trainer, with grad), `old`, `ref`, `sampler` and `loss_mask` are `[b, t]`;
-    `advantages` is `[b]`. `old=None` means on-policy: pi_old is `logprobs` detached (ratio 1).
+    `advantages` is `[b]`, `sequence_tokens` (optional, `[b]`) each row's episode's model-token
+    count (`policy_loss`). `old=None` means on-policy: pi_old is `logprobs` detached (ratio 1).
     Truncated importance weights `min(exp(pi_old - sampler), tis_cap)` multiply the policy term.
     """
     pi_old = logprobs.detach() if old is None else old  # [b, t]
@@ -82,5 +89,6 @@ def grpo_micro_batch_loss(
         max_tokens=max_tokens,
         is_weights=weights,
         denominator=denominator,
+        sequence_tokens=sequence_tokens,
     )
     return MicroBatchLoss(loss=loss, metrics=metrics, tis_capped=capped)

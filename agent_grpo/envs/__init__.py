@@ -15,6 +15,7 @@ NAMESPACE = "agent_grpo"
 BUILTIN_ENVS = {
     "Calculator-v0": "agent_grpo.envs.calculator:CalculatorEnv",
     "Dataset-v0": "agent_grpo.envs.dataset:DatasetEnv",
+    "Logs-v0": "agent_grpo.envs.logs:LogsEnv",
     "Notes-v0": "agent_grpo.envs.notes:NotesEnv",
     "PythonSandbox-v0": "agent_grpo.envs.python_sandbox:PythonSandboxEnv",
     "Search-v0": "agent_grpo.envs.search:SearchEnv",

@@ -159,6 +159,16 @@ def _record_payload(
         "tool_calls": _tool_calls(record),
         "shared": None if shared is None else {"tokens": shared[0], "with": shared[1]},
         "tokens": _tokens(token_rows(record, tokenizer, clip_eps)),
+        "branches": [
+            {
+                "branch": k,
+                "parent": fork.parent,
+                "fork_at": fork.fork_at,
+                "reason": fork.reason,
+                "tokens": _tokens(token_rows(record, tokenizer, clip_eps, k)),
+            }
+            for k, fork in enumerate(record.forks, start=1)
+        ],
     }
 
 

@@ -217,6 +217,11 @@ function recordView(rec, mode, advScale) {
     `  success ${rec.success}  ${rec.termination}  tool errors ${rec.tool_errors}` +
     (rec.excluded ? `  excluded: ${rec.excluded}` : '')));
   sec.append(verdictView(rec), toolTable(rec), lowProbList(rec), tokensView(rec, mode, advScale));
+  for (const b of rec.branches || []) {  // a forked episode: each branch is a training row
+    sec.append(el('h5', {}, `branch ${b.branch}: from branch ${b.parent} at token ` +
+      `${b.fork_at} (${b.reason})`));
+    sec.append(tokensView({...rec, tokens: b.tokens, shared: null}, mode, advScale));
+  }
   return sec;
 }
 function groupView(group, mode, advScale) {

@@ -125,13 +125,15 @@ def _at(values: Sequence[float | None] | None, i: int) -> float | None:
 
 
 def token_rows(
-    record: TrajectoryRecord, tokenizer: Any, clip_eps: float = DEFAULT_CLIP_EPS
+    record: TrajectoryRecord, tokenizer: Any, clip_eps: float = DEFAULT_CLIP_EPS, branch: int = 0
 ) -> list[TokenRow]:
-    """Every token of `record` with its text, logprobs, ratio, advantage and clip flag."""
-    texts = tokenizer.batch_decode([[t] for t in record.token_ids])
+    """Every token of one branch of `record` (0: its own arrays) with its text, logprobs, ratio,
+    advantage and clip flag."""
+    row = record.rows()[branch]
+    texts = tokenizer.batch_decode([[t] for t in row.token_ids])
     rows = []
-    for i, (tid, prov) in enumerate(zip(record.token_ids, record.provenance, strict=True)):
-        sampler, old = record.sampler_logprobs[i], _at(record.old_logprobs, i)
+    for i, (tid, prov) in enumerate(zip(row.token_ids, row.provenance, strict=True)):
+        sampler, old = row.sampler_logprobs[i], _at(row.old_logprobs, i)
         ratio = math.exp(old - sampler) if old is not None and sampler is not None else None
         model = prov is Provenance.MODEL
         rows.append(
@@ -142,7 +144,7 @@ def token_rows(
                 provenance=prov,
                 sampler=sampler,
                 old=old,
-                ref=_at(record.ref_logprobs, i),
+                ref=_at(row.ref_logprobs, i),
                 ratio=ratio,
                 advantage=record.advantage if model else None,
                 clipped=ratio is not None and abs(ratio - 1.0) > clip_eps,
@@ -190,6 +192,26 @@ def _header(record: TrajectoryRecord) -> Table:
         "seed",
         str(record.seed),
     )
+    return table
+
+
+def _branches_table(record: TrajectoryRecord) -> Table:
+    """Where a forked episode's token tree branched, and why (one row per branch)."""
+    table = Table(title="token branches (one training row each)", show_lines=False)
+    for name in ("branch", "from", "fork at token", "tokens", "turns trained", "why"):
+        table.add_column(name)
+    rows = record.rows()
+    for row in rows:
+        fork = record.forks[row.branch - 1] if row.branch else None
+        turns = ", ".join(str(t.index) for t in record.turns if t.branch == row.branch) or "-"
+        table.add_row(
+            f"branch {row.branch}",
+            "-" if fork is None else f"branch {fork.parent}",
+            "-" if fork is None else str(fork.fork_at),
+            str(len(row.token_ids)),
+            turns,
+            "the episode's start" if fork is None else visible_text(fork.reason),
+        )
     return table
 
 
@@ -334,10 +356,15 @@ def render_trajectory(
     `prompt=False` leaves the prompt's messages and tokens out."""
     conversation = _conversation(record, prompt)
     parts: list[RenderableType] = [_header(record), *conversation, _outcome(record)]
+    if record.forks:
+        parts.append(_branches_table(record))
     if tokens:
         rows = token_rows(record, tokenizer, clip_eps)
         model_rows = [r for r in rows if r.provenance is Provenance.MODEL]
         parts += [_legend(plain), Panel(_shown_tokens(rows, prompt, plain), title="tokens")]
+        for branch in range(1, len(record.forks) + 1):
+            shown = _shown_tokens(token_rows(record, tokenizer, clip_eps, branch), prompt, plain)
+            parts.append(Panel(shown, title=f"tokens of branch {branch}"))
         parts += [_token_table(model_rows, "model tokens"), _mismatch_summary(rows, clip_eps)]
         top = top_disagreements(rows, top_k)
         if top:

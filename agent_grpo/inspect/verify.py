@@ -31,7 +31,7 @@ from rich.console import Console
 from agent_grpo.inspect.curves import Divergence, verify_record
 from agent_grpo.inspect.visible import visible
 from agent_grpo.run_dir.writer import StoredLine
-from agent_grpo.trajectory.invariants import check_invariants
+from agent_grpo.trajectory.invariants import check_branch_renders, check_invariants
 from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = [
@@ -125,6 +125,7 @@ def record_problems(line: StoredLine, tokenizer: Any) -> list[str]:
         )
     try:
         check_invariants(record, tokenizer)
+        check_branch_renders(record, tokenizer)  # every branch, rendered from scratch
     except Exception as error:  # a corrupted record can trip any check; it must not stop the rest
         problems.append(f"token invariant broken: {error}")
     return problems

@@ -37,9 +37,17 @@ from agent_grpo.envs.registry import make_env
 from agent_grpo.envs.text_env import read_step_info
 from agent_grpo.rollout.backends.base import Generation, GenerationBackend, SamplingConfig
 from agent_grpo.rollout.config import RolloutConfig
-from agent_grpo.trajectory.invariants import check_invariants
+from agent_grpo.rollout.context import (
+    CompactObservations,
+    ContextPolicy,
+    StopAtLimit,
+    load_summarizer,
+    rewrite_for,
+)
+from agent_grpo.trajectory.invariants import check_branch_renders, check_invariants
 from agent_grpo.trajectory.record import Message, Termination, TrajectoryRecord, TurnRecord
-from agent_grpo.trajectory.tokens import ChatTemplateError, TokenBuilder
+from agent_grpo.trajectory.tokens import ChatTemplateError
+from agent_grpo.trajectory.tree import TokenBuilder
 
 __all__ = [
     "CollectOptions",
@@ -88,6 +96,10 @@ class CollectOptions:
     show_progress: bool = False
     """A progress bar of the collection's own (off inside a training run, whose display shows
     the rollout phase)."""
+    check_renders: bool = False
+    """Check every branch against its from-scratch rendering (`RolloutConfig.check_renders`)."""
+    context: ContextPolicy = field(default_factory=StopAtLimit)
+    """What an episode does when its next turn would not fit (`RolloutConfig.context`)."""
 
     @classmethod
     def from_config(
@@ -101,6 +113,7 @@ class CollectOptions:
             max_context_tokens=config.max_context_tokens,
             env_step_timeout_s=config.env_step_timeout_s,
             stop_on_env_error=config.stop_on_env_error, show_progress=show_progress,
+            check_renders=config.check_renders, context=config.context,
         )  # fmt: skip
 
 
@@ -219,6 +232,26 @@ def _fit_to_context(gen: Generation, room: int) -> tuple[Generation, bool]:
     return cut, True
 
 
+def _make_room(ep: _Episode, config: CollectOptions) -> None:
+    """Rewrite the oldest observations, as few as the context policy needs, so that a whole
+    turn (`sampling.max_tokens`) fits `max_context_tokens`; `stop` leaves the context alone."""
+    policy, builder = config.context, ep.builder
+    limit = config.max_context_tokens - config.sampling.max_tokens
+    if isinstance(policy, StopAtLimit) or builder.context_length <= limit:
+        return
+    summarize = None
+    if isinstance(policy, CompactObservations):
+        summarize = load_summarizer(policy.summarizer)
+    messages: list[Message] = builder.context_messages
+    rewrite: dict[int, Message | None] = {}
+    for count in range(1, len(messages) + 1):
+        rewrite = rewrite_for(policy, messages, ep.prompt_count, count, summarize)
+        if not rewrite or builder.preview_length(rewrite) <= limit:
+            break
+    if rewrite:
+        builder.replace_messages(rewrite, reason=policy.type)
+
+
 def _generate_turn(
     active: list[_Episode],
     backend: GenerationBackend,
@@ -245,6 +278,7 @@ def _record_model_turn(ep: _Episode, gen: Generation, turn: int) -> TurnRecord:
         token_start=span.start,
         token_end=span.end,
         finish_reason=gen.finish_reason,
+        branch=span.branch,
     )
     ep.turns.append(record)
     return record
@@ -367,6 +401,7 @@ def _to_record(
     ep: _Episode, group_id: str, group_size: int, step: int, run_id: str, config: CollectOptions
 ) -> TrajectoryRecord:
     b = ep.builder
+    root = b.root()
     assert ep.termination is not None
     return TrajectoryRecord(
         run_id=run_id,
@@ -379,9 +414,11 @@ def _to_record(
         seed=ep.task.seed,
         messages=list(b.messages),
         prompt_messages_count=ep.prompt_count,
-        token_ids=list(b.token_ids),
-        provenance=list(b.provenance),
-        sampler_logprobs=list(b.sampler_logprobs),
+        token_ids=root.token_ids,
+        provenance=root.provenance,
+        sampler_logprobs=root.sampler_logprobs,
+        root_messages_count=b.root_messages_count,
+        forks=b.forks(),
         sampling_temperature=config.sampling.temperature or 1.0,
         reward=ep.reward,
         reward_components={"verifier": ep.reward},
@@ -434,6 +471,8 @@ def _run_turn(
               config.stop_on_env_error)  # fmt: skip
     metrics.env_time_s += time.perf_counter() - started
     for ep in stepping:
+        if not ep.done:
+            _make_room(ep, config)  # a context policy may rewrite old observations first
         if not ep.done and len(ep.builder.token_ids) >= config.max_context_tokens:
             ep.termination = Termination(kind="truncated", reason="max_context")
 
@@ -488,6 +527,8 @@ def collect_groups(
             _close_quietly(ep.env)
     for record, ep in zip(records, episodes, strict=True):  # cheap next to sampling: always on
         check_invariants(record, tokenizer, contexts=ep.contexts)
+        if config.check_renders:
+            check_branch_renders(record, tokenizer)
     metrics.wall_time_s = time.perf_counter() - started
     _summarise(records, metrics)
     return RolloutResult(records=records, metrics=metrics)

@@ -11,6 +11,7 @@ from pydantic import Field
 
 from agent_grpo.config.base import ConfigModel
 from agent_grpo.rollout.backends.base import SamplingConfig
+from agent_grpo.rollout.context import ContextPolicy, StopAtLimit
 
 __all__ = [
     "BackendConfig",
@@ -122,9 +123,17 @@ class RolloutConfig(ConfigModel):
     group_size: int = Field(default=8, ge=1)
     """G: samples per task."""
     max_context_tokens: int = Field(default=1024, ge=1)
-    """Longest episode in tokens."""
+    """Longest context in tokens (of any branch of an episode)."""
+    context: ContextPolicy = StopAtLimit()
+    """What an episode does when its next turn (`sampling.max_tokens`) would not fit
+    `max_context_tokens`: `stop`, or rewrite the oldest tool observations (`drop`, `truncate`,
+    `compact` with a summary) through the token tree (agent_grpo/rollout/context.py)."""
     env_step_timeout_s: float = Field(default=60.0, gt=0)
     """Deadline for one environment step."""
+    check_renders: bool = False
+    """Also render every branch of every episode from scratch and require it to equal the
+    branch's ids (`trajectory.invariants.check_branch_renders`): a chat template's renders per
+    branch more per episode. The cheap invariants run on every record regardless."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings for training rollouts."""
     stop_on_env_error: bool = False

@@ -8,7 +8,7 @@ import torch
 
 from agent_grpo.rollout.backends.base import Generation, SamplingConfig
 
-__all__ = ["ScriptedBackend"]
+__all__ = ["ScriptedBackend", "SeededFinal"]
 
 
 class ScriptedBackend:
@@ -59,3 +59,23 @@ class ScriptedBackend:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+class SeededFinal(ScriptedBackend):
+    """`ScriptedBackend` whose turns past the script answer `Answer: <seed % 10>`: scripted tool
+    calls, then a final answer that differs between members, so groups have reward variance
+    (for training tests that need several turns, which a random tiny model never takes)."""
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]
+    ) -> list[Generation]:
+        """Scripted turns while the script lasts, then a seed-dependent answer."""
+        out = []
+        for prompt, seed in zip(prompts, seeds, strict=True):
+            turn = self._turn(prompt)
+            script = self.script if turn < len(self.script) else [f"Answer: {seed % 10}"]
+            one = ScriptedBackend(self.tokenizer, script, eos=self.eos, logprob=self.logprob)
+            one.script = [script[min(turn, len(script) - 1)]]
+            out += one.generate([prompt], sampling, [seed])
+        self.calls.append(len(prompts))
+        return out

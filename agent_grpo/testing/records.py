@@ -14,7 +14,7 @@ from agent_grpo.trajectory.record import (
     TrajectoryRecord,
     TurnRecord,
 )
-from agent_grpo.trajectory.tokens import TokenBuilder
+from agent_grpo.trajectory.tree import TokenBuilder
 
 __all__ = [
     "builder_record",
@@ -178,9 +178,11 @@ def builder_record(builder: TokenBuilder, **overrides: Any) -> TrajectoryRecord:
             token_start=s.start,
             token_end=s.end,
             finish_reason="stop",
+            branch=s.branch,
         )
         for s in builder.turn_spans
     ]
+    root = builder.root()
     fields: dict[str, Any] = {
         "group_id": "g7",
         "task_id": "calc:3",
@@ -190,9 +192,11 @@ def builder_record(builder: TokenBuilder, **overrides: Any) -> TrajectoryRecord:
         "seed": 3,
         "messages": builder.messages,
         "prompt_messages_count": builder.prompt_messages_count,
-        "token_ids": builder.token_ids,
-        "provenance": builder.provenance,
-        "sampler_logprobs": builder.sampler_logprobs,
+        "token_ids": root.token_ids,
+        "provenance": root.provenance,
+        "sampler_logprobs": root.sampler_logprobs,
+        "root_messages_count": builder.root_messages_count,
+        "forks": builder.forks(),
         "turns": turns,
         "termination": Termination(kind="terminated", reason="final_answer"),
         "lengths": builder.lengths(),

@@ -10,8 +10,13 @@ from typing import Any
 
 
 def _model_ids(record: Any) -> list[int]:
-    """The ids the model sampled (record fields as stored: provenance as strings)."""
-    return [t for t, p in zip(record.token_ids, record.provenance, strict=True) if p == "model"]
+    """The ids the model sampled, in every branch of the episode (provenance compares as text)."""
+    return [
+        t
+        for row in record.rows()
+        for t, p in zip(row.token_ids, row.provenance, strict=True)
+        if p == "model"
+    ]
 
 
 def even_tokens(record: Any) -> float:

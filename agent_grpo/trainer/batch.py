@@ -3,6 +3,10 @@
 Position `t` of every per-token tensor refers to token `t` of the sequence: `loss_mask[b, t]` is
 true when token t was sampled by the policy, and the trainer's logprob at t is that of token t
 given tokens < t. Missing logprobs are NaN in tensors, and every consumer masks before reducing.
+
+A batch row is one branch of an episode's token tree (`TrajectoryRecord.rows`): an episode whose
+template only appended is one row, a forked one several. `episode_index` maps rows back to their
+record, so the advantage, the group and the per-sequence aggregations stay per episode.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
 __all__ = [
     "PackedBatch",
+    "episode_rows",
     "micro_batches",
     "micro_batches_by_tokens",
     "pack_records",
@@ -33,6 +38,7 @@ class PackedBatch:
     sampler_logprobs: torch.Tensor  # [B, T] float, NaN where the sampler gave none
     advantages: torch.Tensor  # [B] float
     group_index: torch.Tensor  # [B] long, rows of one GRPO group share a value
+    episode_index: torch.Tensor  # [B] long, the record each row is a branch of
 
     @property
     def num_model_tokens(self) -> int:
@@ -50,6 +56,7 @@ class PackedBatch:
             self.sampler_logprobs.to(device),
             self.advantages.to(device),
             self.group_index.to(device),
+            self.episode_index.to(device),
         )
 
     def select(self, rows: Sequence[int]) -> PackedBatch:
@@ -63,6 +70,7 @@ class PackedBatch:
             self.sampler_logprobs[index, :width],
             self.advantages[index],
             self.group_index[index],
+            self.episode_index[index],
         )
 
 
@@ -73,23 +81,35 @@ def _logprob_row(values: list[float | None]) -> list[float]:
 def pack_records(
     records: Sequence[TrajectoryRecord], pad_id: int, advantages: Sequence[float] | None = None
 ) -> PackedBatch:
-    """Pad records on the right into one batch (advantages default to the records' own)."""
-    width = max(len(r.token_ids) for r in records)
-    batch = len(records)
+    """Pad every row of every record (its branches, in order) on the right into one batch;
+    a record's rows share its advantage (by default the record's own) and its group."""
+    rows = [(e, row) for e, record in enumerate(records) for row in record.rows()]
+    width = max(len(row.token_ids) for _, row in rows)
+    batch = len(rows)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)  # [B, T]
     attention = torch.zeros((batch, width), dtype=torch.long)  # [B, T]
     loss_mask = torch.zeros((batch, width), dtype=torch.bool)  # [B, T]
     sampler = torch.full((batch, width), float("nan"))  # [B, T]
-    for b, record in enumerate(records):
-        n = len(record.token_ids)
-        input_ids[b, :n] = torch.tensor(record.token_ids)
+    for b, (_, row) in enumerate(rows):
+        n = len(row.token_ids)
+        input_ids[b, :n] = torch.tensor(row.token_ids)
         attention[b, :n] = 1
-        loss_mask[b, :n] = torch.tensor([p is Provenance.MODEL for p in record.provenance])
-        sampler[b, :n] = torch.tensor(_logprob_row(record.sampler_logprobs))
-    values = advantages if advantages is not None else [r.advantage or 0.0 for r in records]
+        loss_mask[b, :n] = torch.tensor([p is Provenance.MODEL for p in row.provenance])
+        sampler[b, :n] = torch.tensor(_logprob_row(row.sampler_logprobs))
+    per_record = advantages if advantages is not None else [r.advantage or 0.0 for r in records]
+    values = torch.tensor([float(per_record[e]) for e, _ in rows])  # [B]
     codes: dict[str, int] = {}
-    groups = torch.tensor([codes.setdefault(r.group_id, len(codes)) for r in records])  # [B]
-    return PackedBatch(input_ids, attention, loss_mask, sampler, torch.tensor(list(values)), groups)
+    groups = torch.tensor([codes.setdefault(records[e].group_id, len(codes)) for e, _ in rows])
+    episodes = torch.tensor([e for e, _ in rows], dtype=torch.long)  # [B]
+    return PackedBatch(input_ids, attention, loss_mask, sampler, values, groups, episodes)
+
+
+def episode_rows(batch: PackedBatch) -> list[list[int]]:
+    """The rows of each episode, in episode order (one row each unless it forked)."""
+    rows: dict[int, list[int]] = {}
+    for b, e in enumerate(batch.episode_index.tolist()):
+        rows.setdefault(e, []).append(b)
+    return list(rows.values())
 
 
 def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

@@ -80,8 +80,8 @@ def train_step(
     advantages = advantages_of(records, algo)  # [B]
     for record, a in zip(records, advantages.tolist(), strict=True):
         record.advantage = a
-    batch = pack_records(records, trainer.tokenizer.pad_token_id, advantages.tolist())
-    batch.loss_mask &= trainable_rows(records, algo)[:, None]  # [B, T]
+    batch = pack_records(records, trainer.tokenizer.pad_token_id, advantages.tolist())  # a row
+    batch.loss_mask &= trainable_rows(records, algo)[batch.episode_index][:, None]  # per branch
     # 3. pi_old and pi_ref on the sampled tokens. The trainer scores pi_old itself before any
     #    update, unless the loss's own first pass is pi_old (`single_pass`); `old_logprobs:
     #    sampler` puts the sampler's logprobs in the ratio instead.
@@ -144,18 +144,19 @@ def _annotate(
     pi_ref: torch.Tensor | None,
     batch: PackedBatch,
 ) -> None:
-    """Store the trainer's logprobs on each record: None where the trainer scored no token."""
+    """Store the trainer's logprobs on each row of each record (batch rows are the records'
+    `rows()` in order): None where the trainer scored no token."""
 
     def row(values: torch.Tensor, b: int, n: int) -> list[float | None]:
         mask = batch.loss_mask[b, :n].tolist()
         return [v if m and math.isfinite(v) else None
                 for v, m in zip(values[b, :n].tolist(), mask, strict=True)]  # fmt: skip
 
-    for b, record in enumerate(records):
-        n = len(record.token_ids)
-        record.old_logprobs = row(trainer_pi_old, b, n)
-        if pi_ref is not None:
-            record.ref_logprobs = row(pi_ref, b, n)
+    rows = [(record, r) for record in records for r in record.rows()]
+    for b, (record, r) in enumerate(rows):
+        n = len(r.token_ids)
+        ref = None if pi_ref is None else row(pi_ref, b, n)
+        record.set_row_logprobs(r.branch, row(trainer_pi_old, b, n), ref)
 
 
 def checkpoint_due(config: TrainConfig, done: int, saved_at: float) -> bool:

@@ -62,8 +62,14 @@ class SignalMetrics(BaseModel):
 
 
 def _model_tokens(record: TrajectoryRecord) -> tuple[int, ...]:
-    pairs = zip(record.token_ids, record.provenance, strict=True)
-    return tuple(t for t, p in pairs if p is Provenance.MODEL)
+    """Every sampled id of the episode, over all its branches, in turn order."""
+    rows = record.rows()
+    return tuple(
+        t
+        for row in rows
+        for t, p in zip(row.token_ids, row.provenance, strict=True)
+        if p is Provenance.MODEL
+    )
 
 
 def _duplicate_fraction(records: Sequence[TrajectoryRecord]) -> float:

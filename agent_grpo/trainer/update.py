@@ -25,7 +25,7 @@ from agent_grpo.algo.config import AlgoConfig
 from agent_grpo.algo.objective import grpo_micro_batch_loss, loss_denominator
 from agent_grpo.logs import get_logger
 from agent_grpo.trainer.backward_steps import BackwardSteps
-from agent_grpo.trainer.batch import PackedBatch, micro_batches, rows_with_loss
+from agent_grpo.trainer.batch import PackedBatch, episode_rows, micro_batches, rows_with_loss
 from agent_grpo.trainer.metrics import UpdateMetrics, UpdateStats
 from agent_grpo.trainer.parallel import (
     DistContext,
@@ -45,8 +45,22 @@ def _minibatch_scale(
     batch: PackedBatch, rows: list[int], algo: AlgoConfig, max_tokens: int, ctx: DistContext
 ) -> float:
     """The loss denominator of the whole (global) minibatch, summed over ranks' `rows`."""
-    local = loss_denominator(batch.loss_mask[rows], algo, max_tokens) if rows else 0
+    local = (
+        loss_denominator(batch.loss_mask[rows], algo, max_tokens, batch.episode_index[rows])
+        if rows
+        else 0
+    )
     return max(1.0, float(global_sum(torch.tensor(float(local), dtype=torch.float64), ctx)))
+
+
+def _sequence_tokens(batch: PackedBatch) -> Tensor:
+    """`[B]`: the model tokens of each row's whole episode (all its branches in the batch)."""
+    per_row = batch.loss_mask.sum(dim=1)  # [B]
+    size = int(batch.episode_index.max()) + 1 if len(per_row) else 0
+    per_episode = torch.zeros(size, dtype=per_row.dtype).index_add_(
+        0, batch.episode_index, per_row
+    )  # [E]
+    return per_episode[batch.episode_index]  # [B]
 
 
 def _micro_batches(
@@ -101,6 +115,7 @@ def minibatch_update(
     skip = algo.speed.skip_zero_advantage and ref is None
     micro = _micro_batches(batch, rows_with_loss(batch, skip_zero_advantage=skip, rows=rows),
                            algo, ctx)  # fmt: skip
+    sequence_tokens = _sequence_tokens(batch)  # [B]
     seen = torch.zeros(batch.input_ids.shape)  # [B, T]
     written = torch.zeros(batch.input_ids.shape)  # [B, T]
     stats = UpdateStats()
@@ -126,6 +141,7 @@ def minibatch_update(
                 algo,
                 max_tokens=max_tokens,
                 denominator=denominator,
+                sequence_tokens=sequence_tokens[group].to(ctx.device),
             )
             if in_backward is not None:  # a non-finite loss never reaches a step
                 loss_so_far = stats.loss + float(out.loss.detach())
@@ -177,13 +193,13 @@ def grpo_update(
     """
     policy.train()
     generator = torch.Generator().manual_seed(seed)
-    rows = batch.input_ids.shape[0]
     first_pass = torch.full(batch.input_ids.shape, float("nan"))  # [B, T]
     history: list[UpdateMetrics] = []
+    episodes = episode_rows(batch)  # a forked episode's rows share a minibatch
     for epoch in range(algo.epochs):
-        order = torch.randperm(rows, generator=generator)
+        order = torch.randperm(len(episodes), generator=generator)
         for chunk in order.chunk(algo.minibatches):
-            index = chunk.tolist()
+            index = [row for e in chunk.tolist() for row in episodes[e]]
             part = batch.select(index)
             width = part.input_ids.shape[1]
             metrics, seen = minibatch_update(

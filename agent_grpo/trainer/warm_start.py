@@ -23,7 +23,7 @@ from agent_grpo.trainer.batch import micro_batches_by_tokens, pack_records
 from agent_grpo.trainer.optimizer import adamw
 from agent_grpo.trainer.policy import autocast
 from agent_grpo.trajectory.record import Message, Termination, TrajectoryRecord, TurnRecord
-from agent_grpo.trajectory.tokens import TokenBuilder
+from agent_grpo.trajectory.tree import TokenBuilder
 
 __all__ = ["expert_record", "sft_loss", "train_sft", "warm_start"]
 
@@ -52,6 +52,7 @@ def expert_record(
                     token_start=span.start,
                     token_end=span.end,
                     finish_reason="stop",
+                    branch=span.branch,
                 )
             )
             obs, step_reward, terminated, truncated, _ = env.step(action)
@@ -62,6 +63,7 @@ def expert_record(
                 builder.add_observations([Message.model_validate(m) for m in obs])
     finally:
         env.close()
+    root = builder.root()
     return TrajectoryRecord(
         group_id=f"expert-{seed}",
         task_id=f"{env_id}:{seed}",
@@ -71,9 +73,11 @@ def expert_record(
         seed=seed,
         messages=list(builder.messages),
         prompt_messages_count=len(prompt),
-        token_ids=list(builder.token_ids),
-        provenance=list(builder.provenance),
-        sampler_logprobs=list(builder.sampler_logprobs),
+        token_ids=root.token_ids,
+        provenance=root.provenance,
+        sampler_logprobs=root.sampler_logprobs,
+        root_messages_count=builder.root_messages_count,
+        forks=builder.forks(),
         reward=float(reward),
         success=float(reward) > 0,
         turns=turns,

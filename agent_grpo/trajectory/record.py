@@ -15,6 +15,7 @@ never touched: only text is repaired.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -26,6 +27,8 @@ __all__ = [
     "Message",
     "Provenance",
     "Termination",
+    "TokenBranch",
+    "TokenRow",
     "ToolCallRecord",
     "TrajectoryRecord",
     "TurnRecord",
@@ -44,6 +47,10 @@ class Provenance(StrEnum):
     """Chat-template scaffolding between turns: end-of-turn, role headers, generation prompt."""
     OBSERVATION = "observation"
     """Content of a tool or environment message."""
+    CONTEXT = "context"
+    """An earlier model turn as a later branch of a forked episode holds it: its sampled ids when
+    the template renders them unchanged, else the template's rewrite of them as plain text. Never
+    trained here: the turn is trained once, in the branch where it was sampled."""
     PADDING = "padding"
     """Batch padding; never part of a stored trajectory's meaning."""
 
@@ -67,8 +74,9 @@ _MAX_TEXT_DEPTH = 100
 
 # Never text, and walking them would cost more than the rest of a record (tens of thousands of
 # entries); every other field is repaired, so a new text field is covered without a change here.
+# (`forks` holds branches, each repaired by its own validator.)
 _PER_TOKEN_FIELDS = frozenset(
-    {"token_ids", "provenance", "sampler_logprobs", "old_logprobs", "ref_logprobs"}
+    {"token_ids", "provenance", "sampler_logprobs", "old_logprobs", "ref_logprobs", "forks"}
 )
 
 
@@ -154,6 +162,9 @@ class TurnRecord(_Record):
     """Tool calls parsed from this turn, in order, with their results or errors."""
     env_latency_s: float = 0.0
     """Seconds the environment step took."""
+    branch: int = 0
+    """The token branch this turn was sampled (and is trained) in: 0 for the record's own
+    arrays, k for `forks[k - 1]`; `token_start`/`token_end` index that branch's ids."""
 
 
 class Termination(_Record):
@@ -177,10 +188,78 @@ class Lengths(_Record):
     """Number of `template` tokens."""
     observation: int = 0
     """Number of `observation` tokens."""
+    context: int = 0
+    """Number of `context` tokens: earlier turns as later branches of a forked episode hold
+    them (0 when the episode never forked)."""
     total: int = 0
-    """All tokens."""
+    """All tokens of every branch: what the trainer runs through the model."""
     turns: int = 0
     """Assistant turns taken."""
+    branches: int = 1
+    """Token branches (training rows) of the episode: 1 unless the template or the context
+    policy rewrote history."""
+
+
+class TokenBranch(_Record):
+    """A later branch of an episode's token tree: one more training row.
+
+    A branch starts when the next context is not an extension of the tokens held (the chat
+    template rewrote an earlier turn, or the context policy replaced messages): it holds the
+    from-scratch rendering of its own conversation, whose first `fork_at` ids are those of its
+    parent. Turns sampled before the fork are `context` here; turns sampled after it are `model`.
+    """
+
+    parent: int
+    """The branch it forked from: 0 for the record's own arrays, k for `forks[k - 1]`."""
+    fork_at: int
+    """How many leading ids it shares with its parent (their longest common prefix)."""
+    reason: str
+    """Why the branch started, e.g. `template rewrote turn 1` or `context: compact`."""
+    messages: list[Message]
+    """The conversation this branch renders (after a compaction it differs from the record's
+    `messages`, which keep every turn and observation as they happened)."""
+    message_turns: list[int | None]
+    """For each message of `messages`, the turn whose sampled ids it holds (None for others)."""
+    token_ids: list[int]
+    """The branch's ids: its conversation rendered, sampled turns as their exact ids."""
+    provenance: list[Provenance]
+    """Origin of each token."""
+    sampler_logprobs: list[float | None]
+    """Sampler logprob of each `model` token (None elsewhere)."""
+    old_logprobs: list[float | None] | None = None
+    """Trainer's pi_old logprobs (filled by the trainer)."""
+    ref_logprobs: list[float | None] | None = None
+    """Reference logprobs (filled by the trainer when beta > 0)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _repair_branch_text(cls, data: Any) -> Any:
+        # The record's validator leaves `forks` alone (per-token arrays); text is repaired here.
+        if not isinstance(data, dict):
+            return data
+        return {
+            k: v if k in _PER_TOKEN_FIELDS or k == "message_turns" else _valid_texts(v)
+            for k, v in data.items()
+        }
+
+
+@dataclass
+class TokenRow:
+    """One training row of a record: its own arrays (branch 0) or one of its forks. Assigning
+    `old_logprobs`/`ref_logprobs` through `TrajectoryRecord.set_row_logprobs` stores them."""
+
+    branch: int
+    """0 for the record's own arrays, k for `forks[k - 1]`."""
+    token_ids: list[int]
+    """The row's ids."""
+    provenance: list[Provenance]
+    """Origin of each id."""
+    sampler_logprobs: list[float | None]
+    """Sampler logprobs (None off model tokens)."""
+    old_logprobs: list[float | None] | None
+    """The trainer's pi_old logprobs, once scored."""
+    ref_logprobs: list[float | None] | None
+    """The reference's logprobs, once scored."""
 
 
 class TrajectoryRecord(_Record):
@@ -243,6 +322,12 @@ class TrajectoryRecord(_Record):
     """Counts by provenance."""
     malformed_tool_calls: int = 0
     """Tool calls in this episode that failed to parse or validate."""
+    root_messages_count: int | None = None
+    """How many leading `messages` branch 0 (the record's own arrays) renders when the episode
+    forked; None when it renders them all (it never forked)."""
+    forks: list[TokenBranch] = Field(default_factory=list)
+    """Later branches of the episode's token tree (`TokenBranch`), in the order they started;
+    empty when the template only appended. The record's own arrays are branch 0."""
     group_member_ids: list[str] = Field(default_factory=list)
     """Ids (`{group_id}/{i}`) of every member of this record's group, this one included."""
     content_hash: str | None = None
@@ -259,6 +344,35 @@ class TrajectoryRecord(_Record):
     def loss_mask(self) -> list[bool]:
         """True exactly on `model` tokens; derived, so it can never disagree with provenance."""
         return [p is Provenance.MODEL for p in self.provenance]
+
+    def rows(self) -> list[TokenRow]:
+        """Every training row: branch 0 (the record's own arrays), then each fork."""
+        rows = [
+            TokenRow(
+                0,
+                self.token_ids,
+                self.provenance,
+                self.sampler_logprobs,
+                self.old_logprobs,
+                self.ref_logprobs,
+            )
+        ]
+        for k, b in enumerate(self.forks, start=1):
+            rows.append(
+                TokenRow(
+                    k, b.token_ids, b.provenance, b.sampler_logprobs, b.old_logprobs, b.ref_logprobs
+                )
+            )
+        return rows
+
+    def set_row_logprobs(
+        self, branch: int, old: list[float | None] | None, ref: list[float | None] | None
+    ) -> None:
+        """Store the trainer's pi_old (and, when given, reference) logprobs of one row."""
+        target: TrajectoryRecord | TokenBranch = self if branch == 0 else self.forks[branch - 1]
+        target.old_logprobs = old
+        if ref is not None:
+            target.ref_logprobs = ref
 
     def to_json_line(self) -> str:
         """Serialize to one JSON line (no newline inside)."""

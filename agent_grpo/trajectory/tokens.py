@@ -28,16 +28,27 @@ segment). We never merge across a boundary: a segment's tokens never depend on w
 it, which is what keeps the sequence append-only (the context the engine saw at turn k is exactly
 a prefix of the final sequence) and forgery-proof. For ordinary content both agree.
 
-`TokenBuilder` builds the sequence turn by turn; `tests/reference_tokens.py` builds it from the
-finished conversation in one go, so "builder == from-scratch rendering" is a checkable property.
-`agent_grpo.trajectory.invariants.check_invariants` checks a finished `TrajectoryRecord`.
+Templates that rewrite history
+------------------------------
+A Qwen3-style template renders an earlier assistant turn otherwise than it was sampled (it drops
+the reasoning, or normalises it). `segment_conversation(rewrites=True)` finds such a turn's
+rendered text between the template text around its slot; `render_branch` tokenizes it as plain
+text with `context` provenance (it is context now, never trained: the turn was trained where it
+was sampled), while turns rendered verbatim keep their sampled ids. Tool and user content must
+still be rendered verbatim, so a rewrite can never forge a control token. How an episode forks
+into branches when its next context is no extension of the last is in `tree.py`.
+
+`agent_grpo.trajectory.tree.TokenBuilder` builds an episode turn by turn; `render_branch` of a
+branch's own conversation, from scratch, must give that branch's ids (checked in tests and by
+`check_branch_renders`). `agent_grpo.trajectory.invariants.check_invariants` checks a finished
+`TrajectoryRecord`.
 """
 
 from __future__ import annotations
 
-import math
+import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -46,14 +57,13 @@ from agent_grpo.trajectory.record import Lengths, Message, Provenance, valid_tex
 
 __all__ = [
     "ChatTemplateError",
+    "Piece",
     "Segment",
-    "TemplateNotAppendOnlyError",
-    "TokenBuilder",
     "TurnEnd",
-    "TurnSpan",
     "count_lengths",
     "encode_plain",
     "encode_template",
+    "render_branch",
     "segment_conversation",
     "turn_end_ids",
     "turn_text",
@@ -71,19 +81,6 @@ class ChatTemplateError(ValueError):
     """The chat template renders content in a way the provenance builder cannot segment."""
 
 
-class TemplateNotAppendOnlyError(ChatTemplateError):
-    """Rendering a longer conversation changed text that earlier turns were conditioned on."""
-
-    def __init__(self, template: str, position: int, before: str, after: str) -> None:
-        self.template = template
-        self.position = position
-        super().__init__(
-            f"chat template {template!r} is not append-only: the rendering after adding messages "
-            f"differs from the one before at character {position}: "
-            f"before {_snippet(before, position)!r}, after {_snippet(after, position)!r}"
-        )
-
-
 @dataclass(frozen=True)
 class Segment:
     """One piece of a rendered conversation: template text, or one message's content."""
@@ -92,24 +89,9 @@ class Segment:
     """The rendered text of this piece."""
     message: int | None
     """Index of the message whose content this is; None for template text."""
-
-
-@dataclass(frozen=True)
-class TurnSpan:
-    """Where one assistant turn's sampled tokens lie in the sequence."""
-
-    index: int
-    """0-based turn number."""
-    start: int
-    """Index of the turn's first model token."""
-    end: int
-    """Index one past the turn's last model token."""
-    model_text: str
-    """Decode of the sampled ids minus a trailing turn end: the assistant message content, and
-    what `TurnRecord.model_text` must hold."""
-    ended_turn: bool
-    """Whether the last sampled id is the turn end (`TurnEnd.id`), which the template then does
-    not repeat."""
+    rewritten: bool = False
+    """True for an assistant message the template rendered otherwise than its content (then
+    `text` is what it rendered)."""
 
 
 def encode_template(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -156,41 +138,172 @@ def _slot_marker(messages: Sequence[Message]) -> str:
     return marker
 
 
+def _split_slots(text: str, marker: str) -> list[str]:
+    """`text` cut at slot markers: [between, index, between, index, ..., between]."""
+    return re.split(re.escape(marker) + r"(\d+)" + _SLOT_END, text)
+
+
+def _slotted(messages: Sequence[Message], marker: str, which: Sequence[int]) -> list[Message]:
+    keep = set(which)
+    return [
+        m.model_copy(update={"content": f"{marker}{i}{_SLOT_END}"}) if i in keep else m
+        for i, m in enumerate(messages)
+    ]
+
+
 def segment_conversation(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Message],
     *,
     generation_prompt: bool,
     template: str = "",
+    rewrites: bool = False,
 ) -> list[Segment]:
-    """Cut the rendered conversation into template and content segments (see module docstring)."""
+    """Cut the rendered conversation into template and content segments (see module docstring).
+
+    With `rewrites`, an assistant message the template renders differently from its content (a
+    Qwen3-style template dropping old reasoning) is a segment of its rendered text, marked
+    `rewritten`; every other message's content must still be rendered verbatim.
+    """
     marker = _slot_marker(messages)
-    slotted = [
-        m.model_copy(update={"content": f"{marker}{i}{_SLOT_END}"}) for i, m in enumerate(messages)
-    ]
-    pieces = re.split(
-        re.escape(marker) + r"(\d+)" + _SLOT_END, _render(tokenizer, slotted, generation_prompt)
+    everyone = range(len(messages))
+    pieces = _split_slots(
+        _render(tokenizer, _slotted(messages, marker, everyone), generation_prompt), marker
     )
-    if [int(p) for p in pieces[1::2]] != list(range(len(messages))):
+    order = [int(p) for p in pieces[1::2]]
+    real = _render(tokenizer, messages, generation_prompt)
+    if order == list(everyone):
+        segments: list[Segment] = []
+        for i, between in enumerate(pieces[0::2]):
+            if between:
+                segments.append(Segment(between, None))
+            if i < len(messages):
+                segments.append(Segment(messages[i].content, i))
+        rebuilt = "".join(s.text for s in segments)
+        if rebuilt == real:
+            return segments
+        if not rewrites:
+            pos = _first_difference(rebuilt, real)
+            raise ChatTemplateError(
+                f"chat template {template!r} does not render content verbatim (it depends on or "
+                f"rewrites the content) at character {pos}: {_snippet(real, pos)!r}"
+            )
+    dropped = set(everyone) - set(order)
+    if (
+        not rewrites
+        or order != sorted(set(order))
+        or any(messages[i].role != "assistant" for i in dropped)
+    ):
         raise ChatTemplateError(
             f"chat template {template!r} does not render each message's content exactly once, "
             f"in order (got message order {pieces[1::2]})"
         )
-    segments: list[Segment] = []
-    for i, between in enumerate(pieces[0::2]):
-        if between:
-            segments.append(Segment(between, None))
-        if i < len(messages):
-            segments.append(Segment(messages[i].content, i))
-    real = _render(tokenizer, messages, generation_prompt)
-    rebuilt = "".join(s.text for s in segments)
-    if rebuilt != real:
+    return _segment_rewritten(tokenizer, messages, generation_prompt, template, pieces, real)
+
+
+def _segment_rewritten(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    generation_prompt: bool,
+    template: str,
+    slot_pieces: Sequence[str],
+    real: str,
+) -> list[Segment]:
+    """Segments of a rendering that rewrites (or drops) assistant content.
+
+    Rendered again with only the other messages slotted, the text between two of their slots is
+    template text with the (rewritten) assistant content inside. The all-slotted rendering
+    (`slot_pieces`) says where in it each assistant slot sits: between the same template text.
+    """
+    marker = _slot_marker(messages)
+    others = [i for i, m in enumerate(messages) if m.role != "assistant"]
+    parts = _split_slots(
+        _render(tokenizer, _slotted(messages, marker, others), generation_prompt), marker
+    )
+    rebuilt = "".join(
+        part if k % 2 == 0 else messages[int(part)].content for k, part in enumerate(parts)
+    )
+    if [int(p) for p in parts[1::2]] != others or rebuilt != real:
         pos = _first_difference(rebuilt, real)
         raise ChatTemplateError(
-            f"chat template {template!r} does not render content verbatim (it depends on or "
-            f"rewrites the content) at character {pos}: {_snippet(real, pos)!r}"
+            f"chat template {template!r} does not render non-assistant content verbatim at "
+            f"character {pos}: {_snippet(real, pos)!r}"
         )
+    regions = _slot_regions(slot_pieces, others, len(messages))
+    segments: list[Segment] = []
+    bounds = [-1, *others, len(messages)]
+    for k, (left, right) in enumerate(itertools.pairwise(bounds)):
+        inside = range(left + 1, right)
+        segments.extend(_locate_assistants(parts[2 * k], messages, inside, regions[k], template))
+        if right < len(messages):
+            segments.append(Segment(messages[right].content, right))
     return segments
+
+
+def _slot_regions(
+    slot_pieces: Sequence[str], others: Sequence[int], count: int
+) -> list[list[str | int]]:
+    """The all-slotted rendering between consecutive non-assistant slots: template texts and the
+    indices of the assistant slots it holds, in order."""
+    regions: list[list[str | int]] = [[]]
+    for k, piece in enumerate(slot_pieces):
+        if k % 2 == 0:
+            regions[-1].append(piece)
+        elif int(piece) in others:
+            regions.append([])
+        else:
+            regions[-1].append(int(piece))
+    assert len(regions) == len(others) + 1 and count >= len(others)
+    return regions
+
+
+def _locate_assistants(
+    text: str,
+    messages: Sequence[Message],
+    inside: range,
+    region: Sequence[str | int],
+    template: str,
+) -> list[Segment]:
+    """Split `text`, template text holding the assistant messages `inside`, into segments.
+
+    An assistant message the template drops entirely becomes an empty rewritten segment at the
+    start of the region (where exactly its text went is not knowable, and nothing of it is left).
+    """
+    shown = [item for item in region if isinstance(item, int)]
+    out = [Segment("", i, rewritten=True) for i in inside if i not in shown]
+    verbatim = "".join(item if isinstance(item, str) else messages[item].content for item in region)
+    if text == verbatim:
+        for item in region:
+            out.append(
+                Segment(item, None)
+                if isinstance(item, str)
+                else Segment(messages[item].content, item)
+            )
+        return [seg for seg in out if seg.text or seg.message is not None]
+    if len(shown) != 1:
+        raise ChatTemplateError(
+            f"chat template {template!r} rewrites assistant messages {list(inside)} in a way "
+            "that cannot be located in its rendering"
+        )
+    cut = region.index(shown[0])
+    before = "".join(str(item) for item in region[:cut])
+    after = "".join(str(item) for item in region[cut + 1 :])
+    if (
+        not text.startswith(before)
+        or not text.endswith(after)
+        or len(before) + len(after) > len(text)
+    ):
+        raise ChatTemplateError(
+            f"chat template {template!r} rewrites assistant message {shown[0]} in a way that "
+            "cannot be located in its rendering"
+        )
+    body = text[len(before) : len(text) - len(after)]
+    out += [
+        Segment(before, None),
+        Segment(body, shown[0], rewritten=body != messages[shown[0]].content),
+        Segment(after, None),
+    ]
+    return [seg for seg in out if seg.text or seg.message is not None]
 
 
 @dataclass(frozen=True)
@@ -272,159 +385,101 @@ def _drop_turn_end(ids: list[int], turn_end: int, template: str) -> list[int]:
     return ids[1:]
 
 
-class TokenBuilder:
-    """Append-only token sequence with provenance, built turn by turn by a rollout engine."""
+@dataclass(frozen=True)
+class Piece:
+    """A run of ids of one provenance in a rendered branch: one segment, tokenized."""
 
-    def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        prompt_messages: Sequence[Message],
-        *,
-        template_name: str | None = None,
-    ) -> None:
-        if not prompt_messages:
-            raise ValueError("the prompt needs at least one message")
-        self._tok = tokenizer
-        self._template = template_name or str(tokenizer.name_or_path)
-        self.turn_end = turn_end_ids(tokenizer)
-        """The ids that end a turn: a sampled `turn_end.id` closes it; a backend stops on
-        `turn_end.stop_ids`."""
-        self._ids: list[int] = []
-        self._provenance: list[Provenance] = []
-        self._logprobs: list[float | None] = []
-        self._messages: list[Message] = list(prompt_messages)
-        self._spans: list[TurnSpan] = []
-        self.prompt_messages_count = len(prompt_messages)
-        """How many leading messages are the prompt."""
-        segments = segment_conversation(
-            tokenizer, self._messages, generation_prompt=True, template=self._template
+    ids: list[int]
+    """The ids."""
+    provenance: Provenance
+    """Their origin (one for the whole piece)."""
+    message: int | None
+    """The message whose content this is; None for template text."""
+    rewritten: bool = False
+    """An earlier turn the template rendered otherwise than it was sampled."""
+
+
+def render_branch(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    message_turns: Sequence[int | None],
+    sampled: Sequence[Sequence[int]],
+    trained: Collection[int],
+    *,
+    prompt_messages_count: int,
+    turn_end: int,
+    template: str = "",
+) -> list[Piece]:
+    """The canonical ids of one branch's conversation, rendered from scratch, as pieces.
+
+    `message_turns[i]` names the turn whose sampled ids (`sampled[turn]`) message i holds, or None.
+    A turn the template renders verbatim keeps its sampled ids: `model` when it is in `trained`
+    (this branch trains it), else `context`; a turn the template rewrites is its rendered text as
+    plain text, `context`. Prompt content is `prompt`, other content `observation`, template text
+    `prompt` before the first turn and `template` after. Ending on a non-assistant message, the
+    rendering ends with the generation prompt; ending on a turn, it is the rendering of the
+    conversation before that turn (the context it was sampled in) followed by its sampled ids.
+    """
+    ends_on_turn = len(messages) > prompt_messages_count and messages[-1].role == "assistant"
+    if ends_on_turn:  # the context that turn was sampled in, then its sampled ids
+        head = render_branch(
+            tokenizer,
+            messages[:-1],
+            message_turns[:-1],
+            sampled,
+            trained,
+            prompt_messages_count=prompt_messages_count,
+            turn_end=turn_end,
+            template=template,
         )
-        for seg in segments:
-            encode = encode_template if seg.message is None else encode_plain
-            self._append(encode(tokenizer, seg.text), Provenance.PROMPT)
-        # The rendered text the tokens stand for; a sampled turn end is left out until its
-        # template.
-        self._text = "".join(s.text for s in segments)
-
-    def _append(
-        self, ids: list[int], provenance: Provenance, logprobs: Sequence[float | None] | None = None
-    ) -> None:
-        self._ids.extend(ids)
-        self._provenance.extend([provenance] * len(ids))
-        self._logprobs.extend([None] * len(ids) if logprobs is None else logprobs)
-
-    @property
-    def _awaiting_model(self) -> bool:
-        return (
-            self._messages[-1].role != "assistant"
-            or len(self._messages) == self.prompt_messages_count
-        )
-
-    def add_model_turn(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> TurnSpan:
-        """Append one turn's exact sampled ids (turn end or not) and their sampler logprobs."""
-        if not self._awaiting_model:
-            raise ValueError("two model turns in a row: add the observations in between first")
-        if len(token_ids) != len(logprobs):
-            raise ValueError(f"{len(token_ids)} sampled ids but {len(logprobs)} logprobs")
-        for i, lp in enumerate(logprobs):
-            if not math.isfinite(lp):
-                raise ValueError(f"sampled token {i} of turn {len(self._spans)} has logprob {lp}")
-        ids = list(token_ids)
-        ended = bool(ids) and ids[-1] == self.turn_end.id
-        content = turn_text(self._tok, ids, self.turn_end.id)
-        span = TurnSpan(len(self._spans), len(self._ids), len(self._ids) + len(ids), content, ended)
-        self._append(ids, Provenance.MODEL, [float(lp) for lp in logprobs])
-        self._spans.append(span)
-        self._messages.append(Message(role="assistant", content=content))
-        self._text += content
-        return span
-
-    def add_observations(self, messages: Sequence[Message]) -> None:
-        """Append the template and observation tokens of the messages after a model turn."""
-        if self._awaiting_model:
-            raise ValueError("observations must follow a model turn")
-        if not messages or any(m.role == "assistant" for m in messages):
-            raise ValueError("observations are one or more non-assistant messages")
-        after = [*self._messages, *messages]
-        before_text = _render(self._tok, self._messages, generation_prompt=False)
-        after_text = _render(self._tok, after, generation_prompt=True)
-        self._require_prefix(self._text, before_text)
-        self._require_prefix(before_text, after_text)
-        segments = segment_conversation(
-            self._tok, after, generation_prompt=True, template=self._template
-        )
-        last_model = next(i for i, s in enumerate(segments) if s.message == len(self._messages) - 1)
-        # Text prefixes can agree while slots do not, e.g. when the generation prompt holds text
-        # that the template otherwise renders as the start of the assistant content.
-        if sum(len(s.text) for s in segments[: last_model + 1]) != len(self._text):
-            raise ChatTemplateError(
-                f"chat template {self._template!r} renders the last assistant content elsewhere "
-                "than after the generation prompt"
-            )
-        drop = self._spans[-1].ended_turn
-        for seg in segments[last_model + 1 :]:
-            if seg.message is None:
-                ids = encode_template(self._tok, seg.text)
-                self._append(
-                    _drop_turn_end(ids, self.turn_end.id, self._template) if drop else ids,
-                    Provenance.TEMPLATE,
-                )
-            else:
-                if drop:
-                    raise ChatTemplateError(f"chat template {self._template!r} has no end of turn")
-                self._append(encode_plain(self._tok, seg.text), Provenance.OBSERVATION)
+        turn = message_turns[-1]
+        if turn is None:
+            raise ChatTemplateError("a branch ends on an assistant message that was not sampled")
+        kind = Provenance.MODEL if turn in trained else Provenance.CONTEXT
+        return [*head, Piece(list(sampled[turn]), kind, len(messages) - 1)]
+    segments = segment_conversation(
+        tokenizer, messages, generation_prompt=True, template=template, rewrites=True
+    )
+    pieces: list[Piece] = []
+    seen_turn, drop = False, False
+    for seg in segments:
+        i = seg.message
+        if i is None:
+            ids = encode_template(tokenizer, seg.text)
+            ids = _drop_turn_end(ids, turn_end, template) if drop else ids
+            kind = Provenance.TEMPLATE if seen_turn else Provenance.PROMPT
+            pieces.append(Piece(ids, kind, None))
             drop = False
-        self._messages = after
-        self._text = after_text
-
-    def _require_prefix(self, before: str, after: str) -> None:
-        if not after.startswith(before):
-            raise TemplateNotAppendOnlyError(
-                self._template, _first_difference(before, after), before, after
-            )
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Every token so far: the exact context the engine must be conditioned on next."""
-        return list(self._ids)
-
-    @property
-    def provenance(self) -> list[Provenance]:
-        """Origin of each token."""
-        return list(self._provenance)
-
-    @property
-    def sampler_logprobs(self) -> list[float | None]:
-        """Sampler logprob of each model token; None for every other token."""
-        return list(self._logprobs)
-
-    @property
-    def messages(self) -> list[Message]:
-        """The conversation so far (assistant content is the decode of the sampled ids)."""
-        return list(self._messages)
-
-    @property
-    def turn_spans(self) -> list[TurnSpan]:
-        """Per-turn model spans, in order."""
-        return list(self._spans)
-
-    @property
-    def context_length(self) -> int:
-        """Length of the context the engine is conditioned on next (all of `token_ids`)."""
-        return len(self._ids)
-
-    def lengths(self) -> Lengths:
-        """Token counts by provenance, and turns taken."""
-        return count_lengths(self._provenance, len(self._spans))
+            continue
+        if drop:
+            raise ChatTemplateError(f"chat template {template!r} has no end of turn")
+        if i < prompt_messages_count:
+            pieces.append(Piece(encode_plain(tokenizer, seg.text), Provenance.PROMPT, i))
+        elif messages[i].role == "assistant":
+            seen_turn = True
+            turn = message_turns[i]
+            if turn is None or seg.rewritten:
+                ids = encode_plain(tokenizer, seg.text)
+                pieces.append(Piece(ids, Provenance.CONTEXT, i, rewritten=seg.rewritten))
+            else:
+                ids = list(sampled[turn])
+                kind = Provenance.MODEL if turn in trained else Provenance.CONTEXT
+                pieces.append(Piece(ids, kind, i))
+                drop = ids[-1:] == [turn_end]
+        else:
+            pieces.append(Piece(encode_plain(tokenizer, seg.text), Provenance.OBSERVATION, i))
+    return pieces
 
 
-def count_lengths(provenance: Sequence[Provenance], turns: int) -> Lengths:
-    """Token counts by provenance, and the number of turns."""
+def count_lengths(provenance: Sequence[Provenance], turns: int, branches: int = 1) -> Lengths:
+    """Token counts by provenance (over every branch's tokens), turns and branches."""
     return Lengths(
         prompt=provenance.count(Provenance.PROMPT),
         model=provenance.count(Provenance.MODEL),
         template=provenance.count(Provenance.TEMPLATE),
         observation=provenance.count(Provenance.OBSERVATION),
+        context=provenance.count(Provenance.CONTEXT),
         total=len(provenance),
         turns=turns,
+        branches=branches,
     )

@@ -27,7 +27,7 @@ from agent_grpo.rollout.collector import CollectOptions, PromptTooLongError, Tas
 from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.run_dir.writer import RunWriter
 from agent_grpo.testing.backends import ScriptedBackend
-from agent_grpo.tools.call_format import (
+from agent_grpo.tools.formats import (
     MAX_JSON_DEPTH,
     ParsedToolCall,
     ToolCallParseError,
@@ -45,7 +45,8 @@ from agent_grpo.trajectory.record import (
     TurnRecord,
     valid_text,
 )
-from agent_grpo.trajectory.tokens import TokenBuilder, encode_plain
+from agent_grpo.trajectory.tokens import encode_plain
+from agent_grpo.trajectory.tree import TokenBuilder
 
 
 def call(body: str) -> str:

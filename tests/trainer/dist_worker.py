@@ -86,7 +86,8 @@ def dead(case: dict[str, Any]) -> dict[str, Any]:
     """The case with every advantage 0 and beta 0: no rank has a trainable row."""
     batch = case["batch"]
     zero = PackedBatch(batch.input_ids, batch.attention_mask, batch.loss_mask,
-                       batch.sampler_logprobs, batch.advantages * 0, batch.group_index)  # fmt: skip
+                       batch.sampler_logprobs, batch.advantages * 0, batch.group_index,
+                       batch.episode_index)  # fmt: skip
     algo = case["algo"].model_copy(update={"beta": 0.0})
     return {**case, "batch": zero, "old": None, "ref": None, "algo": algo}
 

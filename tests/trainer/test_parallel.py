@@ -73,6 +73,7 @@ def make_case(model_dir: Path, **algo: Any) -> dict[str, Any]:
         sampler_logprobs=near(0.3),
         advantages=advantages,
         group_index=torch.tensor(GROUPS),
+        episode_index=torch.arange(len(GROUPS)),
     )
     # micro_batch_tokens=48 gives rank 0 four micro-batches and rank 1 one; the first step's
     # grad norm is ~2, so clipping at 1 is active. TIS weights are exp(old - sampler) capped.
@@ -290,6 +291,7 @@ def test_loss_denominator_by_aggregation():
         sampler_logprobs=torch.zeros(3, 4),
         advantages=torch.zeros(3),
         group_index=torch.arange(3),
+        episode_index=torch.arange(3),
     )
     mask = batch.loss_mask
     assert loss_denominator(mask, AlgoConfig(), 9) == 6

@@ -18,11 +18,8 @@ from agent_grpo.trajectory.record import (
     Provenance,
     TrajectoryRecord,
 )
-from agent_grpo.trajectory.tokens import (
-    ChatTemplateError,
-    TemplateNotAppendOnlyError,
-    TokenBuilder,
-)
+from agent_grpo.trajectory.tokens import ChatTemplateError
+from agent_grpo.trajectory.tree import TokenBuilder
 
 P, M, T, OBS = Provenance.PROMPT, Provenance.MODEL, Provenance.TEMPLATE, Provenance.OBSERVATION
 EOS = 2
@@ -161,26 +158,31 @@ def with_template(tokenizer: PreTrainedTokenizerBase, template: str) -> PreTrain
     return other
 
 
-def test_non_append_only_template_is_rejected(tokenizer: PreTrainedTokenizerBase) -> None:
+def test_a_template_that_drops_old_turns_forks(tokenizer: PreTrainedTokenizerBase) -> None:
     other = with_template(tokenizer, DROP_OLD_ASSISTANT)
     builder = TokenBuilder(other, PROMPT, template_name="chatml-drop-history")
     builder.add_model_turn(sampled(other, CALL_1, True), [-1.0] * 32)
-    with pytest.raises(TemplateNotAppendOnlyError) as caught:
-        builder.add_observations([Message(role="tool", content="5")])
+    held = builder.token_ids
+    builder.add_observations([Message(role="tool", content="5")])
+    assert builder.branch_count == 2
+    fork = builder.forks()[0]
     prompt_text = "<|im_start|>system\nYou add numbers.<|im_end|>\n<|im_start|>user\nWhat is 2+3+4?"
-    # The dropped content `<tool_call>` and the `<|im_end|>` now in its place share the first `<`.
-    expected = len(prompt_text + "<|im_end|>\n<|im_start|>assistant\n<")
-    assert caught.value.position == expected
-    assert "chatml-drop-history" in str(caught.value) and f"character {expected}" in str(
-        caught.value
+    # the new branch shares the prompt and the turn's header with the old one, then differs
+    assert fork.fork_at == len(other.encode(prompt_text + "<|im_end|>\n<|im_start|>assistant\n"))
+    assert fork.token_ids[: fork.fork_at] == held[: fork.fork_at]
+    assert fork.reason == "template rewrote turn 0"
+    assert Provenance.MODEL not in fork.provenance  # the turn is trained in branch 0 only
+    assert builder.root().provenance.count(Provenance.MODEL) == 32
+
+
+def test_an_unrecognised_rewrite_is_refused(tokenizer: PreTrainedTokenizerBase) -> None:
+    # old turns upper-cased: the slot marker is mangled too, so the rewrite cannot be located
+    upper = DROP_OLD_ASSISTANT.replace(
+        "{% endif %}<|im_end|>", "{% else %}{{ m['content'] | upper }}{% endif %}<|im_end|>"
     )
-    assert "<tool_call>" in str(caught.value)
-
-
-def test_error_names_tokenizer_when_no_template_name(tokenizer: PreTrainedTokenizerBase) -> None:
-    builder = TokenBuilder(with_template(tokenizer, DROP_OLD_ASSISTANT), PROMPT)
+    builder = TokenBuilder(with_template(tokenizer, upper), PROMPT)
     builder.add_model_turn([28, EOS], [-1.0, -1.0])
-    with pytest.raises(TemplateNotAppendOnlyError, match="smollm2-135m-instruct"):
+    with pytest.raises(ChatTemplateError, match="smollm2-135m-instruct"):
         builder.add_observations([Message(role="user", content="again")])
 
 

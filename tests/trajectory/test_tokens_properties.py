@@ -13,7 +13,8 @@ from agent_grpo.testing.records import builder_record
 from agent_grpo.testing.reference_tokens import render_reference
 from agent_grpo.trajectory.invariants import check_invariants
 from agent_grpo.trajectory.record import Message, Provenance, Termination, TrajectoryRecord
-from agent_grpo.trajectory.tokens import TokenBuilder, encode_plain
+from agent_grpo.trajectory.tokens import encode_plain
+from agent_grpo.trajectory.tree import TokenBuilder
 
 EOS = 2
 HOSTILE = [

@@ -21,12 +21,8 @@ from agent_grpo.testing.reference_tokens import render_reference
 from agent_grpo.trainer.warm_start import expert_record
 from agent_grpo.trajectory.invariants import check_invariants
 from agent_grpo.trajectory.record import Message
-from agent_grpo.trajectory.tokens import (
-    ChatTemplateError,
-    TokenBuilder,
-    TurnEnd,
-    turn_end_ids,
-)
+from agent_grpo.trajectory.tokens import ChatTemplateError, TurnEnd, turn_end_ids
+from agent_grpo.trajectory.tree import TokenBuilder
 
 IM_END, ENDOFTEXT = 2, 0
 PROMPT = [

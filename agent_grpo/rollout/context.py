@@ -1,0 +1,136 @@
+"""Context policies: what an episode does when its next turn would not fit `max_context_tokens`.
+
+`stop` ends it (truncated, `max_context`), as before. The others rewrite the oldest tool
+observations, oldest first and only as many as the next turn needs: `drop` replaces each with a
+placeholder, `truncate` keeps its first characters, `compact` replaces them with one summary
+written by a function of the user's. Every rewrite goes through the token tree
+(`TokenBuilder.replace_messages`), so the episode forks: turns sampled before it keep their exact
+context and gradient in the branch they were sampled in, and later turns train in the rewritten
+one. The newest `keep_last` observations and every prompt message are never touched.
+
+Departure from peers that summarise with the policy itself (an extra sampled turn, trained or
+not): the summary here is a plain function; a policy-written summary is not built yet.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from agent_grpo.config.base import ConfigModel
+from agent_grpo.trajectory.record import Message
+
+__all__ = [
+    "CompactObservations",
+    "ContextPolicy",
+    "DropObservations",
+    "StopAtLimit",
+    "TruncateObservations",
+    "first_lines",
+    "load_summarizer",
+    "rewrite_for",
+]
+
+
+class StopAtLimit(ConfigModel):
+    """End the episode (truncated, `max_context`) when the next turn would not fit."""
+
+    type: Literal["stop"] = "stop"
+    """Policy name."""
+
+
+class DropObservations(ConfigModel):
+    """Replace the oldest tool observations with a placeholder until the next turn fits."""
+
+    type: Literal["drop"] = "drop"
+    """Policy name."""
+    keep_last: int = Field(default=1, ge=0)
+    """The newest observations that are never rewritten."""
+    placeholder: str = "[output dropped to fit the context]"
+    """What a dropped observation becomes (the tool message stays, so the turn still reads as
+    answered)."""
+
+
+class TruncateObservations(ConfigModel):
+    """Cut the oldest tool observations to their first `max_chars` until the next turn fits."""
+
+    type: Literal["truncate"] = "truncate"
+    """Policy name."""
+    keep_last: int = Field(default=1, ge=0)
+    """The newest observations that are never rewritten."""
+    max_chars: int = Field(default=200, ge=0)
+    """Characters of each rewritten observation kept, followed by a `[truncated]` mark."""
+
+
+class CompactObservations(ConfigModel):
+    """Replace the oldest tool observations with one summary until the next turn fits."""
+
+    type: Literal["compact"] = "compact"
+    """Policy name."""
+    keep_last: int = Field(default=1, ge=0)
+    """The newest observations that are never rewritten."""
+    summarizer: str = "agent_grpo.rollout.context:first_lines"
+    """`module:function` called with the observations being compacted (a list of `Message`),
+    returning the summary's text; it takes the first observation's place, the others go."""
+
+
+ContextPolicy = Annotated[
+    StopAtLimit | DropObservations | TruncateObservations | CompactObservations,
+    Field(discriminator="type"),
+]
+
+
+def first_lines(messages: Sequence[Message]) -> str:
+    """The default summary: each compacted observation's first line, cut to 80 characters."""
+    lines = [(m.content.splitlines() or [""])[0][:80] for m in messages]
+    return "[summary of earlier tool outputs]\n" + "\n".join(f"- {line}" for line in lines)
+
+
+def load_summarizer(path: str) -> Callable[[Sequence[Message]], str]:
+    """The `module:function` a `compact` policy names (a clear error when it does not exist)."""
+    module, _, name = path.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"rollout.context.summarizer {path!r} cannot be loaded: {error}") from None
+    if not callable(function):
+        raise ValueError(f"rollout.context.summarizer {path!r} is not a function")
+    return function
+
+
+def rewrite_for(
+    policy: DropObservations | TruncateObservations | CompactObservations,
+    messages: Sequence[Message],
+    prompt_messages_count: int,
+    count: int,
+    summarize: Callable[[Sequence[Message]], str] | None = None,
+) -> dict[int, Message | None]:
+    """The rewrite of the `count` oldest rewritable observations of `messages` (fewer when there
+    are fewer): message index -> its replacement (None: dropped). Pure; the caller grows
+    `count` until the next turn fits or nothing is left to rewrite."""
+    candidates = [
+        i for i, m in enumerate(messages) if i >= prompt_messages_count and m.role == "tool"
+    ]
+    candidates = candidates[: max(0, len(candidates) - policy.keep_last)][:count]
+    if not candidates:
+        return {}
+    if isinstance(policy, DropObservations):
+        return {
+            i: messages[i].model_copy(update={"content": policy.placeholder}) for i in candidates
+        }
+    if isinstance(policy, TruncateObservations):
+        cut: dict[int, Message | None] = {}
+        for i in candidates:
+            text = messages[i].content
+            if len(text) > policy.max_chars:
+                cut[i] = messages[i].model_copy(
+                    update={"content": text[: policy.max_chars] + " [truncated]"}
+                )
+        return cut
+    summary = (summarize or first_lines)([messages[i] for i in candidates])
+    out: dict[int, Message | None] = {i: None for i in candidates[1:]}
+    out[candidates[0]] = messages[candidates[0]].model_copy(update={"content": summary})
+    return out
