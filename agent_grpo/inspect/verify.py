@@ -125,9 +125,13 @@ def record_problems(line: StoredLine, tokenizer: Any) -> list[str]:
         )
     try:
         check_invariants(record, tokenizer)
-        check_branch_renders(record, tokenizer)  # every branch, rendered from scratch
     except Exception as error:  # a corrupted record can trip any check; it must not stop the rest
         problems.append(f"token invariant broken: {error}")
+        return problems
+    try:  # every branch, rendered from its messages: edited ids or text disagree
+        check_branch_renders(record, tokenizer)
+    except Exception as error:
+        problems.append(f"tokens and messages disagree: {error}")
     return problems
 
 

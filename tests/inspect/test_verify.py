@@ -125,6 +125,8 @@ def test_a_flipped_token_id_that_keeps_the_invariants_is_caught_by_the_hash(
     assert code == 1
     assert f"verify s0-t0/1: CORRUPT at {FILE} byte {len(_lines(run)[0])}" in out
     assert "content hash mismatch" in out and "token invariant" not in out
+    # and rendering the conversation from scratch gives other ids at that position
+    assert f"at token {position}: differs from the from-scratch rendering" in out
 
 
 def test_a_changed_observation_is_corrupt_and_the_env_diverges(
@@ -140,7 +142,7 @@ def test_a_changed_observation_is_corrupt_and_the_env_diverges(
     assert "and the env diverges at turn 0 (observation)" in out and "(edited)" in out
 
 
-def test_a_changed_observation_without_a_hash_diverges(
+def test_a_changed_observation_without_a_hash_is_caught_by_its_rendering(
     run: RunWriter, capsys: pytest.CaptureFixture[str], wide: None
 ) -> None:
     record = run.read_trajectories(0)[2].model_copy(deep=True)
@@ -148,8 +150,10 @@ def test_a_changed_observation_without_a_hash_diverges(
     _rewrite(run, 2, record.model_copy(update={"content_hash": None}))
     code, out = _verify(run, capsys)
     assert code == 1
-    assert "verify s0-t1/0: DIVERGES at turn 0 (observation)" in out
-    assert "verified 4 records: ok 3, diverged 1, corrupt 0," in out
+    # without a hash, the ids no longer render from the edited messages, and the env diverges
+    assert "verify s0-t1/0: CORRUPT at" in out and "tokens and messages disagree" in out
+    assert "and the env diverges at turn 0 (observation)" in out
+    assert "verified 4 records: ok 3, diverged 0, corrupt 1," in out
 
 
 def test_a_torn_last_line_is_corrupt_at_its_offset_and_the_rest_is_ok(
