@@ -214,8 +214,9 @@ def test_is_weights_scale_policy_term_only() -> None:
     assert loss.item() == pytest.approx((E + 0.2) / 5, rel=1e-6)
     # With a KL term the weight does not touch it: + beta * (e - 2) per token, unweighted.
     ref = _junk(OLD + LOG_RATIO + 1)
-    loss, _ = policy_loss(logprobs, old, ADV, MASK, is_weights=weights, ref_logprobs=ref, beta=0.1,
-                          kl="k3")  # fmt: skip
+    loss, _ = policy_loss(
+        logprobs, old, ADV, MASK, is_weights=weights, ref_logprobs=ref, beta=0.1, kl="k3"
+    )
     assert loss.item() == pytest.approx((E + 0.2) / 5 + 0.1 * (E - 2), rel=1e-6)
 
 
@@ -223,8 +224,12 @@ def test_denominator_makes_micro_batches_sum_to_the_batch_loss() -> None:
     logprobs, old = _inputs(requires_grad=True)
     full, _ = policy_loss(logprobs, old, ADV, MASK)
     (full_grad,) = torch.autograd.grad(full, logprobs)
-    parts = [policy_loss(logprobs[i : i + 1], old[i : i + 1], ADV[i : i + 1], MASK[i : i + 1],
-                         denominator=5)[0] for i in range(3)]  # fmt: skip
+    parts = [
+        policy_loss(
+            logprobs[i : i + 1], old[i : i + 1], ADV[i : i + 1], MASK[i : i + 1], denominator=5
+        )[0]
+        for i in range(3)
+    ]
     total = torch.stack(parts).sum()
     (part_grad,) = torch.autograd.grad(total, logprobs)
     assert total.item() == pytest.approx(full.item(), rel=1e-6)
@@ -287,8 +292,9 @@ def test_large_close_rewards_keep_their_order() -> None:
 
 def test_rloo_as_published_is_unscaled() -> None:
     # r = [1, 0, 0, 1]: r_i - mean(others) = [1 - 1/3, 0 - 2/3, 0 - 2/3, 1 - 1/3].
-    got = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), [0] * 4, scale="none",
-                           leave_one_out=True)  # fmt: skip
+    got = group_advantages(
+        torch.tensor([1.0, 0.0, 0.0, 1.0]), [0] * 4, scale="none", leave_one_out=True
+    )
     torch.testing.assert_close(got, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
 
 
@@ -355,3 +361,24 @@ def test_decoupled_ppo_loss_by_hand() -> None:
     want = (-1.2 * 1.2 - math.exp(-0.1) * 0.9) / 2
     assert loss.item() == pytest.approx(want, rel=1e-6)
     assert metrics.clip_frac_high == 0.5  # token 0's ratio is past 1 + clip_high
+
+
+def test_seq_mean_counts_an_episode_split_over_rows_once() -> None:
+    # Rows 0 and 1 are two branches of one episode (3 trained tokens: 1, 2 and 3), row 2 another
+    # episode (one token, 4). With ratio 1 the per-token loss is -A: sequence means 2 and 4.
+    per_token = torch.tensor([[1.0, 2.0], [3.0, 0.0], [4.0, 0.0]])
+    mask = torch.tensor([[True, True], [True, False], [True, False]])
+    zeros = torch.zeros(3, 2)
+    loss, _ = policy_loss(
+        zeros,
+        zeros,
+        -per_token,
+        mask,
+        aggregation="seq-mean-token-mean",
+        sequence_tokens=torch.tensor([3, 3, 1]),
+        denominator=2.0,
+    )
+    assert loss.item() == pytest.approx((2.0 + 4.0) / 2)
+    # without `sequence_tokens` each row is a sequence: (1.5 + 3 + 4) / 3
+    alone, _ = policy_loss(zeros, zeros, -per_token, mask, aggregation="seq-mean-token-mean")
+    assert alone.item() == pytest.approx((1.5 + 3.0 + 4.0) / 3)

@@ -7,10 +7,18 @@ import math
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from transformers import PreTrainedTokenizerBase
 
-from agent_grpo.testing.records import minimal_record
-from agent_grpo.trainer.batch import micro_batches, micro_batches_by_tokens, pack_records
-from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
+from agent_grpo.testing.records import builder_record, minimal_record
+from agent_grpo.testing.templates import THINKING_PROMPT, with_template
+from agent_grpo.trainer.batch import (
+    episode_rows,
+    micro_batches,
+    micro_batches_by_tokens,
+    pack_records,
+)
+from agent_grpo.trajectory.record import Message, Provenance, TrajectoryRecord
+from agent_grpo.trajectory.tree import TokenBuilder
 
 P, M, T, OBS = Provenance.PROMPT, Provenance.MODEL, Provenance.TEMPLATE, Provenance.OBSERVATION
 
@@ -92,3 +100,30 @@ def test_micro_batches_pack_whole_groups_and_split_only_a_group_too_large() -> N
         [8],
         [9],
     ]
+
+
+def _forked_record(tokenizer: PreTrainedTokenizerBase) -> TrajectoryRecord:
+    """Three turns under a generation prompt that opens reasoning: a branch per turn."""
+    tok = with_template(tokenizer, THINKING_PROMPT)
+    builder = TokenBuilder(tok, [Message(role="user", content="2+3?")])
+    for k in range(3):
+        ids = [*tok.encode(f"turn {k}", add_special_tokens=False), builder.turn_end.id]
+        builder.add_model_turn(ids, [-0.25] * len(ids))
+        if k < 2:
+            builder.add_observations([Message(role="tool", content=f"obs {k}")])
+    return builder_record(builder, advantage=0.5)
+
+
+def test_pack_records_gives_every_branch_a_row_with_its_episodes_advantage(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    forked, plain = _forked_record(tokenizer), minimal_record("g7", advantage=-1.0)
+    batch = pack_records([plain, forked], pad_id=2)
+    assert batch.episode_index.tolist() == [0, 1, 1, 1]
+    assert batch.advantages.tolist() == [-1.0, 0.5, 0.5, 0.5]
+    assert batch.group_index.tolist() == [0, 0, 0, 0]  # one group: g7
+    assert [len(r.token_ids) for r in forked.rows()] == batch.attention_mask[1:].sum(1).tolist()
+    # each sampled token is a loss token in exactly one row
+    assert int(batch.loss_mask[1:].sum()) == forked.lengths.model
+    assert batch.loss_mask[1:].sum(1).tolist() == [4, 4, 4]  # "turn k" (3 ids) and its end
+    assert episode_rows(batch) == [[0], [1, 2, 3]]
