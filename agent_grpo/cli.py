@@ -106,10 +106,12 @@ def build_parser(*, with_replay: bool = True) -> argparse.ArgumentParser:
     export.add_argument("--out", help="output directory (default: RUN-export)")
     export.set_defaults(func=_cmd_export)
     if with_replay:  # rich/matplotlib-heavy; `model fetch` must not depend on it
+        from agent_grpo.inspect.conform import add_conform_parser
         from agent_grpo.inspect.replay import add_inspect_parser, add_replay_parser
 
         add_replay_parser(sub)
         add_inspect_parser(sub)
+        add_conform_parser(sub)
     model = sub.add_parser("model", help="manage the embedded default model")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     fetch = model_sub.add_parser("fetch", help="fetch, verify and convert the embedded model")

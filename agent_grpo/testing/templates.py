@@ -11,10 +11,15 @@ from transformers import PreTrainedTokenizerBase
 
 __all__ = ["QWEN3_STYLE", "TEST_TEMPLATES", "THINKING_PROMPT", "with_template"]
 
-# Qwen3's published logic: an assistant turn's reasoning (before `</think>`) is kept, normalised
-# to `<think>\n...\n</think>\n\n`, only for turns after the last real user message, and dropped
-# from older ones; consecutive tool results share one user turn inside `<tool_response>` tags.
+# Qwen3's published logic (its tool block, never filled here, shows Hermes calls): an assistant
+# turn's reasoning (before `</think>`) is kept, normalised to `<think>\n...\n</think>\n\n`, only
+# for turns after the last real user message, and dropped from older ones; consecutive tool
+# results share one user turn inside `<tool_response>` tags.
 QWEN3_STYLE = (
+    "{%- if tools -%}{{- '<|im_start|>system\\n# Tools\\n<tools>\\n' -}}"
+    "{%- for t in tools -%}{{- t | tojson -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\nReturn each call in <tool_call></tool_call> tags.<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- set ns = namespace(last_query=-1) -%}"
     "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}"
     "{%- endif -%}{%- endfor -%}"

@@ -1,0 +1,75 @@
+"""`agent-grpo conform`: every tokenizer the tests have conforms (SmolLM2, the second embedded
+model when it is fetched, and the history-rewriting test templates); a template or a tool format
+that would train wrongly fails, with the check named."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from agent_grpo.inspect.conform import conform
+from agent_grpo.testing.templates import QWEN3_STYLE, TEST_TEMPLATES, with_template
+from agent_grpo.tools.formats.hermes import HermesToolCallFormat
+
+
+def _conform_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent_grpo.cli", "conform", *args],
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("template", [None, *sorted(TEST_TEMPLATES)])
+def test_every_test_tokenizer_conforms(embedded_model_dir: Path, template: str | None) -> None:
+    extra = [] if template is None else ["--template", template]
+    done = _conform_cli(str(embedded_model_dir), "--conversations", "40", *extra)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1].endswith(": conforms") and "forged control tokens: 0" in done.stdout
+    assert ("append-only" in done.stdout) == (template is None)
+
+
+def test_a_forking_template_conforms_and_says_how_often(tokenizer: PreTrainedTokenizerBase) -> None:
+    report = conform(
+        with_template(tokenizer, QWEN3_STYLE), HermesToolCallFormat(), model="q", conversations=30
+    )
+    assert report.ok, report.lines()
+    history = next(c for c in report.checks if c.name == "history")
+    assert history.detail.startswith("forking: ")
+
+
+class _LossyFormat(HermesToolCallFormat):
+    """Writes calls its own parser cannot read back (drops the arguments)."""
+
+    def render_call(self, name: str, arguments: object) -> str:
+        return super().render_call(name, {})
+
+
+def test_a_format_that_does_not_round_trip_fails(tokenizer: PreTrainedTokenizerBase) -> None:
+    report = conform(tokenizer, _LossyFormat(), model="lossy", conversations=5)
+    failed = [c.name for c in report.checks if not c.ok]
+    assert failed == ["tool calls round trip (render, sample, parse)"]
+    assert report.lines()[-1] == "lossy: FAILS 1 checks"
+
+
+def test_a_template_that_rewrites_tool_output_cannot_be_used(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    # `trim` on every message: content is not rendered verbatim, so it cannot be segmented
+    # safely (a forged turn could hide in what the template changed)
+    trimming = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with_template(tokenizer, trimming).save_pretrained(tmp_path)
+    done = _conform_cli(str(tmp_path), "--conversations", "5")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout.startswith(f"conform {tmp_path}: cannot be used: chat template")
+    assert "verbatim" in done.stdout and len(done.stdout.splitlines()) == 1
