@@ -18,7 +18,7 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from agent_grpo.config.base import ConfigModel
 from agent_grpo.trajectory.record import Message
@@ -75,6 +75,12 @@ class CompactObservations(ConfigModel):
     summarizer: str = "agent_grpo.rollout.context:first_lines"
     """`module:function` called with the observations being compacted (a list of `Message`),
     returning the summary's text; it takes the first observation's place, the others go."""
+
+    @field_validator("summarizer")
+    @classmethod
+    def _loads(cls, path: str) -> str:
+        load_summarizer(path)  # a missing module or function is a config error, before any run
+        return path
 
 
 ContextPolicy = Annotated[

@@ -1,0 +1,101 @@
+"""Context policies: which observations each rewrites (pure), and episodes of Logs-v0, whose tool
+outputs do not all fit, collected under each: `stop` truncates, the others fork and finish."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+from transformers import PreTrainedTokenizerBase
+
+from agent_grpo.rollout.backends.base import SamplingConfig
+from agent_grpo.rollout.collector import CollectOptions, Task, collect_groups
+from agent_grpo.rollout.config import RolloutConfig
+from agent_grpo.rollout.context import (
+    CompactObservations,
+    DropObservations,
+    TruncateObservations,
+    first_lines,
+    rewrite_for,
+)
+from agent_grpo.testing.backends import ScriptedBackend
+from agent_grpo.trajectory.invariants import check_branch_renders
+from agent_grpo.trajectory.record import Message
+
+SYSTEM, USER = Message(role="system", content="s"), Message(role="user", content="q")
+CONVERSATION = [
+    SYSTEM,
+    USER,
+    Message(role="assistant", content="call 1"),
+    Message(role="tool", content="one\nlong"),
+    Message(role="assistant", content="call 2"),
+    Message(role="tool", content="two\nlong"),
+    Message(role="assistant", content="call 3"),
+    Message(role="tool", content="three"),
+]
+
+
+def test_drop_replaces_the_oldest_observations_and_keeps_the_newest() -> None:
+    policy = DropObservations(keep_last=1)
+    rewrite = rewrite_for(policy, CONVERSATION, 2, count=5)
+    assert sorted(rewrite) == [3, 5]  # never the prompt, a turn, or the newest observation
+    assert {m.content for m in rewrite.values() if m is not None} == {policy.placeholder}
+    assert list(rewrite_for(policy, CONVERSATION, 2, count=1)) == [3]
+
+
+def test_truncate_cuts_only_what_is_longer() -> None:
+    rewrite = rewrite_for(TruncateObservations(keep_last=0, max_chars=3), CONVERSATION, 2, 9)
+    assert {i: m.content for i, m in rewrite.items() if m} == {
+        3: "one [truncated]",
+        5: "two [truncated]",
+        7: "thr [truncated]",
+    }
+
+
+def test_compact_puts_one_summary_in_place_of_the_first_and_drops_the_rest() -> None:
+    rewrite = rewrite_for(CompactObservations(), CONVERSATION, 2, count=2)
+    assert rewrite[5] is None and rewrite[3] is not None and rewrite[3].role == "tool"
+    assert rewrite[3].content == first_lines([CONVERSATION[3], CONVERSATION[5]])
+    assert rewrite[3].content.endswith("- one\n- two")
+
+
+def test_a_summarizer_that_does_not_load_is_a_config_error() -> None:
+    with pytest.raises(ValidationError, match="summarizer 'no_such_module:f' cannot be loaded"):
+        RolloutConfig.model_validate(
+            {"context": {"type": "compact", "summarizer": "no_such_module:f"}}
+        )
+
+
+READS = [
+    f'<tool_call>\n{{"name": "read_log", "arguments": {{"log": "svc-7-{k}"}}}}\n</tool_call>'
+    for k in range(3)
+]
+
+
+@pytest.mark.parametrize("policy", ["stop", "drop", "truncate", "compact"])
+def test_logs_episodes_under_each_policy(tokenizer: PreTrainedTokenizerBase, policy: str) -> None:
+    backend = ScriptedBackend(tokenizer, [*READS, "Answer: 3"])
+    rollout = RolloutConfig.model_validate(
+        {
+            "group_size": 1,
+            "max_context_tokens": 1100,
+            "context": {"type": policy},
+            "sampling": SamplingConfig(max_tokens=40),
+            "check_renders": True,
+        }
+    )
+    result = collect_groups(
+        [Task(env_id="agent_grpo/Logs-v0", seed=1)],
+        backend,
+        tokenizer,
+        CollectOptions.from_config(rollout),
+    )
+    record = result.records[0]
+    check_branch_renders(record, tokenizer)
+    if policy == "stop":
+        assert record.termination.reason == "max_context" and not record.forks
+        return
+    assert record.termination.reason == "final_answer" and len(record.turns) == 4
+    assert record.forks and {f.reason for f in record.forks} == {f"context: {policy}"}
+    assert all(len(row.token_ids) <= 1100 for row in record.rows())
+    # the record keeps every observation as it came back; the branches hold the rewrites
+    assert sum(m.content.startswith("errors: ") for m in record.messages) == 3
