@@ -146,8 +146,8 @@ def _episode(
         sampled += ids
         builder.add_model_turn(ids, [-1.0] * len(ids))
         if k < turns - 1:
-            role = rng.choice(["tool", "tool", "user"])
-            builder.add_observations([Message(role=role, content=_text(rng))])
+            message = Message(role="tool" if rng.random() < 0.7 else "user", content=_text(rng))
+            builder.add_observations([message])
     root, spans = builder.root(), builder.turn_spans
     record = TrajectoryRecord(
         group_id="conform",
@@ -184,7 +184,9 @@ def _forged(record: TrajectoryRecord, tokenizer: PreTrainedTokenizerBase, specia
     """Control ids inside content (prompt, observation, rewritten turns) over every branch."""
     rows = record.rows()
     sampled = [rows[t.branch].token_ids[t.token_start : t.token_end] for t in record.turns]
-    conversations = [(record.messages[: record.root_messages_count or len(record.messages)], None)]
+    conversations: list[tuple[list[Message], list[int | None] | None]] = [
+        (record.messages[: record.root_messages_count or len(record.messages)], None)
+    ]
     conversations += [(f.messages, f.message_turns) for f in record.forks]
     forged = 0
     for branch, (messages, turns) in enumerate(conversations):
@@ -266,6 +268,7 @@ def _format_checks(
         name, arguments = rng.choice(TOOLS), _arguments(rng)
         text = fmt.render_call(name, arguments)
         sampled = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
+        assert isinstance(sampled, str)
         parsed = fmt.parse(sampled)
         if not (
             len(parsed) == 1
