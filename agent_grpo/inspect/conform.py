@@ -148,6 +148,7 @@ def _episode(
         if k < turns - 1:
             message = Message(role="tool" if rng.random() < 0.7 else "user", content=_text(rng))
             builder.add_observations([message])
+    builder.finish()
     root, spans = builder.root(), builder.turn_spans
     record = TrajectoryRecord(
         group_id="conform",

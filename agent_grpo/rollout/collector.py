@@ -401,6 +401,7 @@ def _to_record(
     ep: _Episode, group_id: str, group_size: int, step: int, run_id: str, config: CollectOptions
 ) -> TrajectoryRecord:
     b = ep.builder
+    b.finish()
     root = b.root()
     assert ep.termination is not None
     return TrajectoryRecord(

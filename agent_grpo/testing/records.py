@@ -182,6 +182,7 @@ def builder_record(builder: TokenBuilder, **overrides: Any) -> TrajectoryRecord:
         )
         for s in builder.turn_spans
     ]
+    builder.finish()
     root = builder.root()
     fields: dict[str, Any] = {
         "group_id": "g7",

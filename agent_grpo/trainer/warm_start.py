@@ -63,6 +63,7 @@ def expert_record(
                 builder.add_observations([Message.model_validate(m) for m in obs])
     finally:
         env.close()
+    builder.finish()
     root = builder.root()
     return TrajectoryRecord(
         group_id=f"expert-{seed}",

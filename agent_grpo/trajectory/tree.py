@@ -78,6 +78,7 @@ class _Branch:
     provenance: list[Provenance] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     trained: set[int] = field(default_factory=set)
+    closed: bool = False
 
     def extend(self, pieces: Sequence[Piece]) -> None:
         for piece in pieces:
@@ -257,6 +258,7 @@ class TokenBuilder:
         last = max(branch.trained)
         end = self._spans[last].end
         del branch.ids[end:], branch.provenance[end:], branch.logprobs[end:]
+        branch.closed = True
         keep = branch.message_turns.index(last) + 1
         branch.messages, branch.message_turns = branch.messages[:keep], branch.message_turns[:keep]
 
@@ -303,10 +305,18 @@ class TokenBuilder:
         """Branches (training rows) so far."""
         return len(self._branches)
 
+    def finish(self) -> None:
+        """End the episode: a last branch that never got a turn (the context of a fork the
+        episode ended before sampling in) trains nothing and is dropped. Call before building
+        its record; nothing may be added after."""
+        if len(self._branches) > 1 and not self._branches[-1].trained:
+            self._branches.pop()
+
     @property
     def root_messages_count(self) -> int | None:
         """How many messages branch 0 renders once the episode forked; None until then (all)."""
-        return len(self._branches[0].messages) if len(self._branches) > 1 else None
+        root = self._branches[0]
+        return len(root.messages) if len(self._branches) > 1 or root.closed else None
 
     def root(self) -> TokenRow:
         """Branch 0: the record's own arrays."""

@@ -111,10 +111,25 @@ def test_a_generation_prompt_that_opens_reasoning_forks_every_turn(
     for k in range(3):
         sample(builder, thinking, f"step {k}")
         builder.add_observations([Message(role="tool", content=f"obs {k}")])
+    held = builder.context_length
     record = record_of(builder)
-    assert record.lengths.branches == 4
-    assert [f.parent for f in record.forks] == [0, 1, 2]
+    # the context after the last observation is never sampled in: no row for it
+    assert record.lengths.branches == 3 and held > len(record.forks[-1].token_ids)
+    assert [f.parent for f in record.forks] == [0, 1]
     assert all(f.reason.startswith("template text changed") for f in record.forks)
+    check_invariants(record, thinking)
+    check_branch_renders(record, thinking)
+
+
+def test_an_episode_that_ends_right_after_a_fork_keeps_one_row(
+    thinking: PreTrainedTokenizerBase,
+) -> None:
+    builder = TokenBuilder(thinking, PROMPT)
+    ids = sample(builder, thinking, "call")
+    builder.add_observations([Message(role="tool", content="a long output")])  # forks
+    record = record_of(builder)  # ended here (max_context, say): nothing sampled in the fork
+    assert record.forks == [] and record.lengths.branches == 1
+    assert record.root_messages_count == 3 and record.token_ids[-len(ids) :] == ids
     check_invariants(record, thinking)
     check_branch_renders(record, thinking)
 
