@@ -8,6 +8,10 @@ In order:
   or corrupt files, a hub id with no cached copy while the hub is offline;
 - the environment id, with gymnasium's "Did you mean", or ours across namespaces
   (`Calculator-v0` -> `agent_grpo/Calculator-v0`), and its entry point;
+- the tool-call format of a tool env (`bind_tool_format`): `model.tool_format`, or under `auto`
+  the format the tokenizer's chat template shows (a template of no known format is refused), is
+  written into `env.kwargs.tool_call_format`, the one place every env of the run is built from
+  (rollouts on any worker, evaluation, warm start, `replay --verify` from `config.yaml`);
 - `env.kwargs` against the constructor: an unknown or missing argument, with the names it takes;
 - that the sandbox can run, when a tool of the env needs it (`Tool.needs_sandbox`, the `python`
   tool): without bubblewrap every call would be a `SandboxError`, and the run would train on
@@ -25,8 +29,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -34,16 +40,19 @@ import numpy as np
 from gymnasium.envs.registration import EnvSpec
 
 from agent_grpo.config.base import ConfigError, close_match
-from agent_grpo.config.jobs import EnvConfig, EvalRunConfig, TrainConfig
-from agent_grpo.envs.registry import env_spec, make_env
+from agent_grpo.config.jobs import EnvConfig, EvalRunConfig, ModelConfig, TrainConfig
+from agent_grpo.envs.registry import TOOL_FORMAT_KWARG, env_spec, make_env
 from agent_grpo.envs.text_env import HELDOUT_SEEDS, TRAIN_SEEDS, ToolEnv
-from agent_grpo.models.loading import check_model_source
+from agent_grpo.models.loading import check_model_source, load_tokenizer, resolve_model_path
 from agent_grpo.sandbox.runner import sandbox_refusal
+from agent_grpo.tools.formats.registry import AUTO, get_tool_format, tool_format_for
 
 __all__ = [
     "CHECK_SEEDS",
     "ConstructorArguments",
     "PreflightError",
+    "bind_tool_format",
+    "chat_template_of",
     "check_env",
     "check_reset_deterministic",
     "check_sandbox",
@@ -64,14 +73,18 @@ class PreflightError(ConfigError):
 
 
 def preflight_train(config: TrainConfig) -> None:
-    """Everything `agent-grpo train` can check before loading a model or making a run dir."""
+    """Everything `agent-grpo train` can check before loading a model or making a run dir;
+    binds the tool-call format into `config.env.kwargs`."""
     check_model_source(config.model.name_or_path)
+    bind_tool_format(config.model, config.env)
     check_env(config.env)
 
 
 def preflight_eval(config: EvalRunConfig) -> None:
-    """Everything `agent-grpo eval` can check before loading a model or making a run dir."""
+    """Everything `agent-grpo eval` can check before loading a model or making a run dir;
+    binds the tool-call format into `config.env.kwargs`."""
     check_model_source(config.model.name_or_path)
+    bind_tool_format(config.model, config.env)
     check_env(config.env)
 
 
@@ -127,6 +140,77 @@ def _load_entry_point(env_id: str, entry_point: str) -> Callable[..., Any]:
         raise PreflightError(f"env.id {env_id!r}: {module_name} has no {attr!r}{hint}")
     creator: Callable[..., Any] = getattr(module, attr)
     return creator
+
+
+# ---------------------------------------------------------------------------------------------
+# The tool-call format
+
+
+def bind_tool_format(model: ModelConfig, env: EnvConfig) -> str | None:
+    """Set `env.kwargs.tool_call_format` to the format the run's tool env must use and return
+    it (None for an env class without tools, which takes no format).
+
+    An `env.kwargs.tool_call_format` already there (a config written back from a run's
+    `config.yaml`, or set by hand) is kept when `model.tool_format` is `auto` or agrees with it."""
+    _, creator = resolve_env(env.id)
+    if isinstance(creator, type) and not issubclass(creator, ToolEnv):
+        return None
+    given = env.kwargs.get(TOOL_FORMAT_KWARG)
+    if given is not None:
+        return _given_tool_format(model, given)
+    template = chat_template_of(model.name_or_path) if model.tool_format == AUTO else None
+    try:
+        name = tool_format_for(model.tool_format, template)
+    except ValueError as error:
+        raise PreflightError(f"model {model.name_or_path}: {error}") from None
+    env.kwargs = {**env.kwargs, TOOL_FORMAT_KWARG: name}
+    return name
+
+
+def _given_tool_format(model: ModelConfig, given: Any) -> str:
+    """The `env.kwargs.tool_call_format` a config sets, if it names a format `model` allows."""
+    if not isinstance(given, str):
+        raise PreflightError(f"env.kwargs.{TOOL_FORMAT_KWARG} must be a format name, got {given!r}")
+    try:
+        get_tool_format(given)
+    except ValueError as error:
+        raise PreflightError(f"env.kwargs.{TOOL_FORMAT_KWARG}: {error}") from None
+    if model.tool_format not in (AUTO, given):
+        raise PreflightError(
+            f"env.kwargs.{TOOL_FORMAT_KWARG}={given} disagrees with "
+            f"model.tool_format={model.tool_format}; set one of them"
+        )
+    return given
+
+
+def chat_template_of(name_or_path: str) -> str | None:
+    """The chat template text of a model's tokenizer (every named template, joined, when it has
+    several); read from the files of a local directory, loaded for a hub id."""
+    source = Path(resolve_model_path(name_or_path))
+    if not source.is_dir():
+        return _template_text(load_tokenizer(str(source)).chat_template)
+    if (source / "chat_template.jinja").is_file():
+        return (source / "chat_template.jinja").read_text()
+    config = source / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        return _template_text(json.loads(config.read_text()).get("chat_template"))
+    except (ValueError, AttributeError):  # not JSON, or not an object: load_tokenizer will say
+        return None
+
+
+def _template_text(template: Any) -> str | None:
+    """A `chat_template` value as text: a string, or the named templates (a list of
+    `{"name", "template"}` in tokenizer_config.json, a dict on a tokenizer) joined."""
+    if isinstance(template, str):
+        return template
+    if isinstance(template, dict):
+        template = [{"template": text} for text in template.values()]
+    if isinstance(template, list):
+        texts = [t.get("template") for t in template if isinstance(t, dict)]
+        return "\n".join(t for t in texts if isinstance(t, str)) or None
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,15 +285,21 @@ def _construct(env: EnvConfig, spec: EnvSpec, creator: Callable[..., Any]) -> gy
     try:
         return make_env(env.id, **env.kwargs)
     except TypeError:
-        problem = kwargs_problem(creator, {**spec.kwargs, **env.kwargs})
+        problem = kwargs_problem(creator, _constructor_kwargs({**spec.kwargs, **env.kwargs}))
         if problem is None:
             raise
         raise PreflightError(f"env.kwargs of {spec.id}: {problem}") from None
     except ValueError as error:  # the usual way a constructor refuses an argument's value
-        if not env.kwargs:
+        given = _constructor_kwargs(env.kwargs)
+        if not given:
             raise
         message = " ".join(str(error).split())
-        raise PreflightError(f"env.kwargs {env.kwargs} of {spec.id}: {message}") from None
+        raise PreflightError(f"env.kwargs {given} of {spec.id}: {message}") from None
+
+
+def _constructor_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`env.kwargs` as the constructor sees them: without the format `make_env` applies."""
+    return {k: v for k, v in kwargs.items() if k != TOOL_FORMAT_KWARG}
 
 
 # ---------------------------------------------------------------------------------------------

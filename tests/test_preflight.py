@@ -15,12 +15,16 @@ import numpy as np
 import pytest
 
 from agent_grpo.config.base import ConfigError, load_config, validate_config
-from agent_grpo.config.jobs import EnvConfig, TrainConfig
+from agent_grpo.config.jobs import EnvConfig, ModelConfig, TrainConfig
 from agent_grpo.envs import BUILTIN_ENVS
 from agent_grpo.envs.calculator import ArithmeticTask, CalculatorEnv
+from agent_grpo.envs.registry import make_env
+from agent_grpo.envs.text_env import TextEnv
 from agent_grpo.models.loading import ModelNotFoundError, check_model_source, resolve_model_path
 from agent_grpo.preflight import (
     PreflightError,
+    bind_tool_format,
+    chat_template_of,
     check_env,
     constructor_arguments,
     kwargs_problem,
@@ -349,6 +353,89 @@ def test_preflight_train_checks_the_model_first(tmp_path: Path) -> None:
     )
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         preflight_train(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tool-call format
+
+
+class PlainEnv(TextEnv[int]):
+    """An env without tools: it takes no tool-call format."""
+
+
+def model_dir(root: Path, template: Any, as_jinja: bool = False) -> Path:
+    """A directory holding only a tokenizer config with `template` (enough to read it)."""
+    root.mkdir(parents=True, exist_ok=True)
+    if as_jinja:
+        (root / "chat_template.jinja").write_text(template)
+    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return root
+
+
+LLAMA31 = "<|start_header_id|>{{ 'Environment: ipython' }}{{ '<|python_tag|>' }}<|eot_id|>"
+
+
+def test_auto_binds_hermes_for_the_embedded_chatml_model() -> None:
+    config = load_config(TrainConfig, TINY)
+    preflight_train(config)
+    assert config.env.kwargs["tool_call_format"] == "hermes"
+    preflight_train(config)  # a second preflight (a config read back from config.yaml) agrees
+    assert config.env.kwargs["tool_call_format"] == "hermes"
+
+
+def test_a_named_format_is_bound_without_reading_the_template(tmp_path: Path) -> None:
+    model = ModelConfig(name_or_path=str(model_dir(tmp_path / "m", None)), tool_format="llama3")
+    env = EnvConfig(kwargs={"max_turns": 2})
+    assert bind_tool_format(model, env) == "llama3"
+    assert env.kwargs == {"max_turns": 2, "tool_call_format": "llama3"}
+    check_env(env)  # the env builds with it, and says its stop strings in that format
+    built = make_env(env.id, **env.kwargs)
+    assert built.unwrapped.tool_call_format.name == "llama3"  # type: ignore[attr-defined]
+
+
+def test_auto_reads_the_template_of_a_local_model(tmp_path: Path) -> None:
+    jinja = model_dir(tmp_path / "jinja", LLAMA31, as_jinja=True)
+    templates = [{"name": "default", "template": "<|im_start|>"},
+                 {"name": "tool_use", "template": "<tool_call>"}]  # fmt: skip
+    named = model_dir(tmp_path / "named", templates)
+    assert chat_template_of(str(jinja)) == LLAMA31
+    assert chat_template_of(str(named)) == "<|im_start|>\n<tool_call>"
+    env = EnvConfig()
+    assert bind_tool_format(ModelConfig(name_or_path=str(jinja)), env) == "llama3"
+    assert env.kwargs == {"tool_call_format": "llama3"}
+
+
+def test_a_template_of_no_known_format_is_one_line_before_any_model_work(tmp_path: Path) -> None:
+    path = model_dir(tmp_path / "m", "{{ '<|header_start|>' }}{% if tools %}{% endif %}")
+    with pytest.raises(PreflightError) as error:
+        bind_tool_format(ModelConfig(name_or_path=str(path)), EnvConfig())
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"model {path}: model.tool_format=auto: ")
+    assert "tool-call markup of no known format; set model.tool_format to one of" in message
+
+
+def test_a_format_in_env_kwargs_is_kept_unless_the_model_says_otherwise() -> None:
+    env = EnvConfig(kwargs={"tool_call_format": "mistral"})
+    assert bind_tool_format(ModelConfig(), env) == "mistral"  # auto: taken as given
+    with pytest.raises(PreflightError, match=r"disagrees with model\.tool_format=harmony"):
+        bind_tool_format(ModelConfig(tool_format="harmony"), env)
+    with pytest.raises(PreflightError, match="unknown tool-call format 'qwen'"):
+        bind_tool_format(ModelConfig(), EnvConfig(kwargs={"tool_call_format": "qwen"}))
+
+
+def test_an_env_without_tools_takes_no_format() -> None:
+    env = EnvConfig(id=here("PlainEnv"))
+    assert bind_tool_format(ModelConfig(tool_format="llama3"), env) is None
+    assert env.kwargs == {}
+
+
+def test_an_unknown_format_name_is_refused_when_the_config_loads() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(TrainConfig, TINY, ["model.tool_format=gpt"])
+    assert str(error.value).endswith(
+        "model.tool_format: unknown tool-call format 'gpt'; known formats: auto, deepseek_v3, "
+        "harmony, hermes, llama3, mistral, mistral_v11, qwen3_coder"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

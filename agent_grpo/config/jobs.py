@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from agent_grpo.algo.config import AlgoConfig, SpeedConfig
 from agent_grpo.config.base import ConfigModel
@@ -70,6 +70,22 @@ class ModelConfig(ConfigModel):
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """Where the policy, the reference and every batch tensor live: `auto` (this rank's GPU if
     CUDA is available, else the CPU), `cpu`, `cuda` (this rank's GPU) or `cuda:N`."""
+    tool_format: str = "auto"
+    """How the model writes tool calls and how a tool env announces its tools (docs/models.md):
+    `hermes`, `qwen3_coder`, `llama3`, `mistral`, `mistral_v11`, `harmony`, `deepseek_v3`, or
+    `auto`: read from the tokenizer's chat template, `hermes` for a ChatML template without
+    tool markup (the embedded and test models), refused for any other template that shows no
+    known format. Preflight writes the chosen name into `env.kwargs.tool_call_format`, where
+    every env of the run (rollouts, evaluation, warm start, replay) is built from."""
+
+    @field_validator("tool_format")
+    @classmethod
+    def _known_tool_format(cls, value: str) -> str:
+        from agent_grpo.tools.formats.registry import AUTO, get_tool_format
+
+        if value != AUTO:
+            get_tool_format(value)  # ValueError naming the known formats
+        return value
 
 
 class EnvConfig(ConfigModel):

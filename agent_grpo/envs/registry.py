@@ -22,6 +22,7 @@ from agent_grpo.logs import get_logger
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "TOOL_FORMAT_KWARG",
     "EnvListing",
     "env_spec",
     "list_envs",
@@ -31,6 +32,8 @@ __all__ = [
 
 ENTRY_POINT_GROUP = "agent_grpo.envs"
 """Entry-point group scanned for environment plugins."""
+TOOL_FORMAT_KWARG = "tool_call_format"
+"""The `env.kwargs` key `make_env` applies to a `ToolEnv` itself (see `make_env`)."""
 
 _log = get_logger(__name__)
 _plugin_ids: dict[str, str] = {}
@@ -79,13 +82,26 @@ def _is_path(id_or_path: str) -> bool:
 
 
 def make_env(id_or_path: str, **kwargs: Any) -> gym.Env[Any, Any]:
-    """Make an environment from a registered id or a `package.module:Class` path."""
+    """Make an environment from a registered id or a `package.module:Class` path.
+
+    `tool_call_format` (a format name such as `llama3`, or a format object) is not passed to the
+    constructor: it is set on the env after construction when the env is a `ToolEnv`, so every
+    tool env takes it whatever its constructor's signature, and ignored by an env without tools.
+    Preflight puts the run's `model.tool_format` there (agent_grpo/preflight.py)."""
     register_envs()
+    from agent_grpo.envs.text_env import ToolEnv, as_tool_format
+
+    given = kwargs.pop(TOOL_FORMAT_KWARG, None)
+    tool_format = None if given is None else as_tool_format(given)  # a bad name: before building
     if id_or_path in gym.registry or not _is_path(id_or_path):
-        return gym.make(id_or_path, **kwargs)
-    # The path is a valid gymnasium id (names may hold `.` and `:`), so the env gets a spec and
-    # the same wrappers as a registered one, without polluting the global registry.
-    return gym.make(EnvSpec(id=id_or_path, entry_point=id_or_path), **kwargs)
+        env = gym.make(id_or_path, **kwargs)
+    else:
+        # The path is a valid gymnasium id (names may hold `.` and `:`), so the env gets a spec
+        # and the same wrappers as a registered one, without polluting the global registry.
+        env = gym.make(EnvSpec(id=id_or_path, entry_point=id_or_path), **kwargs)
+    if tool_format is not None and isinstance(env.unwrapped, ToolEnv):
+        env.unwrapped.tool_call_format = tool_format
+    return env
 
 
 def env_spec(id_or_path: str) -> EnvSpec:

@@ -29,7 +29,6 @@ verifier. Where we depart from common practice:
 from __future__ import annotations
 
 import copy
-import json
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Generic, Literal, TypeVar
@@ -38,11 +37,12 @@ import gymnasium as gym
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agent_grpo.tools.call_format import (
+from agent_grpo.tools.formats import (
     HermesToolCallFormat,
     ParsedToolCall,
     ToolCallFormat,
     ToolCallParseError,
+    get_tool_format,
     parse_tool_calls,
 )
 from agent_grpo.tools.tool import Tool, format_tool_result, run_tool_call
@@ -60,6 +60,7 @@ __all__ = [
     "ToolEnv",
     "TurnOutcome",
     "Verdict",
+    "as_tool_format",
     "heldout_seeds",
     "read_step_info",
     "render_call",
@@ -367,7 +368,7 @@ class ToolEnv(TextEnv[TaskT]):
         max_turns: int | None = None,
         malformed_policy: MalformedPolicy = "feedback",
         malformed_penalty: float = -1.0,
-        tool_call_format: ToolCallFormat | None = None,
+        tool_call_format: ToolCallFormat | str | None = None,
         render_mode: str | None = None,
         max_tool_calls_per_turn: int = 8,
     ) -> None:
@@ -377,7 +378,7 @@ class ToolEnv(TextEnv[TaskT]):
             raise ValueError(f"malformed_policy must be feedback or terminate: {malformed_policy}")
         self.malformed_policy: MalformedPolicy = malformed_policy
         self.malformed_penalty = malformed_penalty
-        self.tool_call_format: ToolCallFormat = tool_call_format or HermesToolCallFormat()
+        self.tool_call_format: ToolCallFormat = as_tool_format(tool_call_format)
 
     @property
     def tool_map(self) -> dict[str, Tool]:
@@ -432,15 +433,15 @@ def _over_cap(call: ParsedToolCall | ToolCallParseError, cap: int) -> ToolCallRe
 
 
 def render_call(fmt: ToolCallFormat, name: str, arguments: Mapping[str, Any]) -> str:
-    """One call written the way `fmt` parses it (the format's own `render_call` if it has one)."""
-    own = getattr(fmt, "render_call", None)
-    if own is not None:
-        return str(own(name, dict(arguments)))
-    # Tagged-JSON formats (Hermes): the layout the Hermes system prompt shows the model.
-    body = json.dumps({"name": name, "arguments": dict(arguments)}, ensure_ascii=False)
-    open_tag = getattr(fmt, "open_tag", "<tool_call>")
-    close_tag = getattr(fmt, "close_tag", "</tool_call>")
-    return f"{open_tag}\n{body}\n{close_tag}"
+    """One call written the way `fmt` parses it."""
+    return fmt.render_call(name, dict(arguments))
+
+
+def as_tool_format(fmt: ToolCallFormat | str | None) -> ToolCallFormat:
+    """A format object from a format, a registry name (`llama3`), or None (Hermes)."""
+    if fmt is None:
+        return HermesToolCallFormat()
+    return get_tool_format(fmt) if isinstance(fmt, str) else fmt
 
 
 def _tool_message(record: ToolCallRecord, tools: Mapping[str, Tool]) -> dict[str, str]:

@@ -13,4 +13,6 @@ use the same ones (none of them imports pytest).
 - `cli_runs`: running the CLI (as a subprocess or its replay/inspect parsers in-process) and
   reading what a run wrote.
 - `prompts`: chat prompts as token ids.
+- `tool_formats`: a tool table, hostile JSON and hypothesis strategies for the tool-call format
+  tests.
 """

@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agent_grpo.logs import get_logger
 from agent_grpo.tools.schema_args import schema_args_model
-from agent_grpo.tools.tool import Tool
+from agent_grpo.tools.tool import Tool, check_tool_name
 
 if TYPE_CHECKING:
     from mcp.client import Transport
@@ -245,6 +245,7 @@ class McpClient:
             return self.call_tool(listed.name, arguments)
 
         try:
+            check_tool_name(listed.name)  # a server's name must not reach a prompt as markup
             args = schema_args_model(
                 listed.name, listed.input_schema, self.server.forbid_extra_arguments
             )

@@ -42,13 +42,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.fields import FieldInfo
 from pydantic.json_schema import GenerateJsonSchema
 
-from agent_grpo.tools.call_format import short_repr
+from agent_grpo.tools.formats.base import short_repr
 from agent_grpo.trajectory.record import ToolCallRecord
 
 __all__ = [
+    "TOOL_NAME",
     "Tool",
     "args_model_from_signature",
     "arun_tool_call",
+    "check_tool_name",
     "format_tool_result",
     "result_to_text",
     "run_tool_call",
@@ -77,6 +79,9 @@ class Tool:
     needs_sandbox: bool = False
     """Whether it runs code in the sandbox: preflight refuses a run where the sandbox cannot."""
 
+    def __post_init__(self) -> None:
+        check_tool_name(self.name)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the underlying function directly (no validation, timeout or size cap)."""
         return self.fn(*args, **kwargs)
@@ -93,6 +98,30 @@ class Tool:
                 "parameters": parameters,
             },
         }
+
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""What a tool name may be: it is written into prompts and calls of every format, where a space,
+a quote, `<`, `>`, `|`, `[` or a newline could read as template markup (`<|im_end|>`,
+`[TOOL_CALLS]`, a closing tag)."""
+
+
+def check_tool_name(name: object) -> None:
+    """ValueError, one line naming the tool, unless `name` fits `TOOL_NAME`."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tool name {short_repr(name)} cannot be used: it is empty")
+    if TOOL_NAME.fullmatch(name):
+        return
+    if len(name) > 64:
+        why = f"it is {len(name)} characters long (at most 64)"
+    else:
+        bad = next(c for c in name if not TOOL_NAME.fullmatch(c))
+        why = f"it holds {bad!r}"
+    raise ValueError(
+        f"tool name {short_repr(name)} cannot be used: {why}; a tool name is made of letters, "
+        "digits, '_', '.' and '-' (it is written into prompts, where other text could read as "
+        "template markup)"
+    )
 
 
 class _SchemaWithoutTitles(GenerateJsonSchema):

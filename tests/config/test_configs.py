@@ -74,6 +74,11 @@ def test_training_on_a_remote_server_is_refused(tmp_path: Path) -> None:
         (["algo.minibatches=5"], "some minibatches"),
         (["model.device=gpu"], "model.device"),
         (["algo.epochs=0"], "algo.epochs"),
+        (
+            ["model.tool_format=qwen"],
+            "model.tool_format: unknown tool-call format 'qwen'; known "
+            "formats: auto, deepseek_v3, harmony, hermes",
+        ),
     ],
 )
 def test_meaningless_settings_are_refused_before_any_model_work(overrides, message) -> None:

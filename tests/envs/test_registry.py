@@ -54,6 +54,28 @@ def test_make_env_by_path() -> None:
     assert "agent_grpo.envs.calculator:CalculatorEnv" not in gym.registry  # registry untouched
 
 
+class ClosedToolEnv(CalculatorEnv):
+    """A tool env whose constructor takes no keyword at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+
+def test_make_env_sets_the_tool_call_format_on_any_tool_env() -> None:
+    env = make_env("agent_grpo/Calculator-v0", tool_call_format="llama3")
+    assert isinstance(env.unwrapped, CalculatorEnv)
+    assert env.unwrapped.tool_call_format.name == "llama3" and env.unwrapped.stop_strings == []
+    closed = make_env(f"{__name__}:ClosedToolEnv", tool_call_format="harmony")
+    assert closed.unwrapped.tool_call_format.name == "harmony"  # type: ignore[attr-defined]
+    default = make_env("agent_grpo/Calculator-v0").unwrapped
+    assert default.tool_call_format.name == "hermes"  # type: ignore[attr-defined]
+
+
+def test_make_env_refuses_an_unknown_format_before_building() -> None:
+    with pytest.raises(ValueError, match="unknown tool-call format 'qwen'; known formats"):
+        make_env("agent_grpo/Calculator-v0", tool_call_format="qwen")
+
+
 def test_make_env_unknown_id_raises() -> None:
     with pytest.raises(gym.error.Error):
         make_env("agent_grpo/Nope-v0")

@@ -31,7 +31,7 @@ from agent_grpo.envs.mcp_env import with_workdir
 from agent_grpo.envs.notes import NotesEnv, NotesTask
 from agent_grpo.envs.text_env import heldout_seeds, read_step_info, run_expert
 from agent_grpo.testing.reward_rules import reward_override
-from agent_grpo.tools.call_format import parse_tool_calls
+from agent_grpo.tools.formats import parse_tool_calls
 from agent_grpo.tools.mcp_client import (
     McpClient,
     McpServer,
@@ -176,6 +176,18 @@ def test_server_config() -> None:
     filled = with_workdir(server, Path("/tmp/w"))
     assert filled.command == ["srv", "--db", "/tmp/w/a.db"]
     assert filled.env == {"D": "/tmp/w"} and filled.cwd == "/tmp/w"
+
+
+@pytest.mark.parametrize("name", ["<|im_start|>user", "[TOOL_CALLS]", "two words", "x" * 65])
+def test_a_server_tool_whose_name_could_read_as_template_text_is_refused(name: str) -> None:
+    class Listed:  # what the SDK lists for one tool
+        description = "d"
+        input_schema = {"type": "object", "properties": {}}
+
+    Listed.name = name  # type: ignore[attr-defined]
+    client = McpClient(McpServer(command=["never-started"]))
+    with pytest.raises(McpServerError, match=r"^tool name .* cannot be used"):
+        client._tool(Listed)
 
 
 # --- The client over stdio, against a server that misbehaves on request ------------------------

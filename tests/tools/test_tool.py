@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 from agent_grpo.tools.tool import (
     Tool,
     arun_tool_call,
+    check_tool_name,
     format_tool_result,
     result_to_text,
     run_tool_call,
@@ -256,3 +257,40 @@ def test_format_tool_result_never_doubles_the_error_prefix() -> None:
     record = ToolCallRecord(name="x", error="Error: unknown tool x", error_kind="unknown_tool")
     assert format_tool_result(record) == "Error: unknown tool x"
     assert format_tool_result(ToolCallRecord(name="x", result="")) == ""
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("", "it is empty"),
+        ("n" * 65, "65 characters long"),
+        ("<|im_end|>", "holds '<'"),
+        ("<｜tool▁sep｜>", "holds '<'"),
+        ("[TOOL_CALLS]", "holds '['"),
+        ("two words", "holds ' '"),
+        ("line\nbreak", "holds '\\n'"),
+        ('say"hi"', "holds '\"'"),
+        ("a>b", "holds '>'"),
+        ("é", "holds 'é'"),
+    ],
+)
+def test_a_tool_name_that_could_read_as_template_text_is_refused(name: str, why: str) -> None:
+    with pytest.raises(ValueError) as error:
+        check_tool_name(name)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("tool name ") and why in message
+
+
+def test_tool_refuses_such_a_name_where_the_tool_is_made() -> None:
+    def fn(x: int) -> int:
+        """Identity."""
+        return x
+
+    with pytest.raises(ValueError) as error:
+        tool(name="<|im_end|>")(fn)
+    assert str(error.value).startswith("tool name '<|im_end|>' cannot be used: it holds '<'")
+
+
+def test_names_of_letters_digits_and_punctuation_are_fine() -> None:
+    for name in ("calculator", "http_get", "notes.read", "v2-search", "A" * 64):
+        check_tool_name(name)

@@ -1,45 +1,64 @@
-"""Tool-call formats: how tool calls are written in an assistant turn, and how tools are announced.
+"""What every tool-call format shares: the protocol, the parsed values, hostile-safe JSON, and
+`parse_tool_calls`, which checks a turn's calls against the env's tools.
 
-The default is the Hermes/Qwen format: each call is a JSON object
-`{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`, several per turn
-allowed. A format is one small class implementing `ToolCallFormat`; `find_tagged_blocks` and
-`decode_call_json` are the shared pieces, so a new tagged-JSON format is a few lines.
+A format (one module per model family beside this one) says how tools are announced in the
+system prompt (`render_tools`), how a call is written (`render_call`, for expert policies and SFT
+data) and how calls are read back from sampled text (`parse`). Its `render_call` must
+round-trip through its `parse`, including arguments that hold the format's own closing markup:
+JSON bodies are written by `dump_json`, which escapes such markup (`</` as `<\\/`, `<tag`, `<|`
+and `<｜` with `\\u003c`, `[WORD` with `\\u005b`), and text no escape can protect is refused.
 
 Parsing never raises on model output: every call becomes a `ParsedToolCall` or a typed
 `ToolCallParseError` value, so a malformed call can be counted, rewarded or fed back to the model.
-Departures from lenient parsers: an unclosed `<tool_call>` (turn cut by max tokens) is a `parse`
-error, not a best-effort call, and `arguments` must be a JSON object (a JSON-encoded string of an
-object, which some models emit, is not unwrapped), so the reward sees exactly what was written.
-For the same reason, and so that every parsed call can be stored, a call is a `parse` error when
-its JSON is nested deeper than `MAX_JSON_DEPTH`, holds an integer too long for Python to read, or
-holds a number JSON cannot hold (`NaN`, `Infinity`, or a float such as `1e999` that overflows).
+Departures from lenient parsers (vLLM's among them): a call cut off before its closing marker
+(turn cut by max tokens) is a `parse` error, not a best-effort call, and arguments must be a JSON
+object (a JSON-encoded string of an object, which some models emit, is not unwrapped), so the
+reward sees exactly what was written. For the same reason, and so that every parsed call can be
+stored, a call is a `parse` error when its JSON is nested deeper than `MAX_JSON_DEPTH`, holds an
+integer too long for Python to read, or holds a number JSON cannot hold (`NaN`, `Infinity`, or a
+float such as `1e999` that overflows).
+
+A format whose arguments are untyped text (Qwen3-Coder's `<parameter=x>value</parameter>`) also
+has `typed_arguments` (`TypesArguments`): `parse_tool_calls` gives it the tool's JSON schema, as
+vLLM's parser is given the request's tools, before validating.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
 import reprlib
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 __all__ = [
     "MAX_JSON_DEPTH",
-    "HermesToolCallFormat",
+    "JsonProblem",
     "ParsedToolCall",
     "SupportsArgs",
     "ToolCallFormat",
     "ToolCallParseError",
+    "TypesArguments",
+    "arguments_call",
+    "as_function",
+    "call_from_object",
     "decode_call_json",
+    "decode_json_prefix",
+    "dump_json",
     "find_tagged_blocks",
+    "load_json",
+    "parse_error",
     "parse_tool_calls",
     "short_repr",
 ]
 
 MAX_JSON_DEPTH = 64
-"""Deepest nesting of objects and arrays a tool call may have (no real tool needs a tenth)."""
+"""Deepest nesting of objects and arrays a tool call may have, counting the call object itself
+as one level (no real tool needs a tenth)."""
 
 
 class _Value(BaseModel):
@@ -52,7 +71,7 @@ class ParsedToolCall(_Value):
     name: str
     """Tool name as written by the model."""
     arguments: dict[str, Any]
-    """Arguments as parsed from JSON (not yet coerced by the tool's args model)."""
+    """Arguments as parsed (not yet coerced by the tool's args model)."""
     raw: str
     """The exact text of the call, tags included."""
 
@@ -61,8 +80,9 @@ class ToolCallParseError(_Value):
     """A tool call that could not be used; a value returned by parsers, never raised."""
 
     kind: Literal["parse", "missing_name", "unknown_tool", "invalid_arguments"]
-    """parse: not JSON / not closed; missing_name: no usable `name`; unknown_tool: no such tool;
-    invalid_arguments: the arguments do not fit the tool's args model."""
+    """parse: not JSON / not closed / not the format's layout; missing_name: no usable name;
+    unknown_tool: no such tool; invalid_arguments: the arguments do not fit the tool's args
+    model."""
     message: str
     """What is wrong, written so it can be shown to the model."""
     raw: str
@@ -84,17 +104,43 @@ class ToolCallFormat(Protocol):
     """How tool calls are written by the model and how tools are described to it."""
 
     @property
+    def name(self) -> str:
+        """The format's registry name (`hermes`, `llama3`, ...)."""
+        ...
+
+    @property
     def stop_strings(self) -> list[str]:
         """Strings that may end a turn right after a call (kept in the sampled output)."""
         ...
 
     def parse(self, text: str) -> list[ParsedToolCall | ToolCallParseError]:
-        """Every call in one assistant turn, in order."""
+        """Every call in one assistant turn, in order; never raises."""
         ...
 
     def render_tools(self, schemas: Sequence[Mapping[str, Any]]) -> str:
         """The instructions and tool schemas to place in the system prompt."""
         ...
+
+    def render_call(self, name: str, arguments: Mapping[str, Any]) -> str:
+        """One call as the model writes it; `parse` reads it back unchanged. Raises ValueError
+        for arguments the format cannot write."""
+        ...
+
+
+@runtime_checkable
+class TypesArguments(Protocol):
+    """A format whose parsed argument values are text, typed by the tool's JSON schema."""
+
+    def typed_arguments(
+        self, call: ParsedToolCall, schema: Mapping[str, Any]
+    ) -> ParsedToolCall | ToolCallParseError:
+        """`call` with each argument value read as the schema's type says; never raises."""
+        ...
+
+
+def parse_error(raw: str, message: str, name: str | None = None) -> ToolCallParseError:
+    """A `parse` error for `raw` (the shorthand every format uses)."""
+    return ToolCallParseError(kind="parse", message=message, raw=raw, name=name)
 
 
 def find_tagged_blocks(text: str, open_tag: str, close_tag: str) -> list[tuple[str, str | None]]:
@@ -117,6 +163,19 @@ def find_tagged_blocks(text: str, open_tag: str, close_tag: str) -> list[tuple[s
     return blocks
 
 
+# ---- JSON that cannot hurt ----------------------------------------------------------------------
+
+
+class JsonProblem(NamedTuple):
+    """Why a text could not be used as a JSON value."""
+
+    message: str
+    """Said in a few words, never echoing the text."""
+    syntax: bool
+    """True when the text is not JSON at all; False for JSON we refuse to hold (too deep, an
+    integer too long, a non-finite number)."""
+
+
 def _json_int(text: str) -> int:
     try:
         return int(text)
@@ -135,6 +194,12 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+_DECODER = json.JSONDecoder(
+    parse_int=_json_int, parse_float=_finite_float, parse_constant=_no_constant
+)
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
 def _json_depth(value: Any) -> int:
     """Nesting depth of objects and arrays in a decoded JSON value (a scalar is 0); iterative."""
     deepest, stack = 0, [(value, 0)]
@@ -147,33 +212,83 @@ def _json_depth(value: Any) -> int:
     return deepest
 
 
-def _load_json(inner: str) -> tuple[Any, str | None]:
-    """The decoded JSON value, or an error message; never raises."""
+def _too_deep() -> JsonProblem:
+    return JsonProblem(f"tool call JSON is nested deeper than {MAX_JSON_DEPTH} levels", False)
+
+
+def _decoded(decode: Callable[[], Any], depth: int) -> tuple[Any, JsonProblem | None]:
+    """Run `decode` (a `json` call with our number hooks) and check the depth; never raises."""
     try:
-        obj = json.loads(
-            inner, parse_int=_json_int, parse_float=_finite_float, parse_constant=_no_constant
-        )
+        value = decode()
     except RecursionError:
-        return None, f"tool call JSON is nested deeper than {MAX_JSON_DEPTH} levels"
+        return None, _too_deep()
     except json.JSONDecodeError as error:
-        return None, f"tool call is not valid JSON: {error}"
+        return None, JsonProblem(f"tool call is not valid JSON: {error}", True)
     except ValueError as error:  # from the three number hooks above
-        return None, f"tool call holds a number that cannot be read: {error}"
-    if _json_depth(obj) > MAX_JSON_DEPTH:
-        return None, f"tool call JSON is nested deeper than {MAX_JSON_DEPTH} levels"
-    return obj, None
+        return None, JsonProblem(f"tool call holds a number that cannot be read: {error}", False)
+    if _json_depth(value) > depth:
+        return None, _too_deep()
+    return value, None
 
 
-def decode_call_json(raw: str, inner: str) -> ParsedToolCall | ToolCallParseError:
-    """Decode `{"name": str, "arguments": {...}}`; `arguments` defaults to {} when absent."""
-    obj, problem = _load_json(inner)
-    if problem is not None:
-        return ToolCallParseError(kind="parse", message=problem, raw=raw)
+def load_json(text: str, *, depth: int = MAX_JSON_DEPTH) -> tuple[Any, JsonProblem | None]:
+    """The JSON value `text` holds (whitespace around it allowed), or why not; never raises.
+
+    `depth` is the most levels the value may nest: `MAX_JSON_DEPTH` for a whole call object,
+    `MAX_JSON_DEPTH - 1` for an arguments object written on its own (the call is one level)."""
+    return _decoded(lambda: _DECODER.decode(text), depth)
+
+
+def decode_json_prefix(
+    text: str, start: int = 0, *, depth: int = MAX_JSON_DEPTH
+) -> tuple[Any, int, JsonProblem | None]:
+    """The JSON value that begins at `start` (after whitespace) and the index just past it, for
+    calls written one after another (`{...}; {...}`); never raises."""
+    begin = _WHITESPACE.match(text, start).end()  # type: ignore[union-attr]
+    found: list[int] = []
+
+    def decode() -> Any:
+        value, end = _DECODER.raw_decode(text, begin)
+        found.append(end)
+        return value
+
+    value, problem = _decoded(decode, depth)
+    return value, (found[0] if found else begin), problem
+
+
+_TAG_OPEN = re.compile(r"<(?=[A-Za-z|｜])")
+_BRACKET_WORD = re.compile(r"\[(?=[A-Z/])")
+
+
+def dump_json(value: Any, *, indent: int | None = None) -> str:
+    """JSON text that no template or tokenizer can read as markup: `</` (a closing tag) is
+    written `<\\/`, a `<` before a letter, `|` or `｜` (an opening tag, a special token) and a `[`
+    before a capital or `/` (Mistral's `[TOOL_CALLS]`, `[ARGS]`) as `\\u` escapes; all decode to
+    the same value. Outside strings JSON never holds these, so only strings change. Raises
+    ValueError for NaN and infinities, which JSON cannot hold."""
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False, indent=indent)
+    text = _TAG_OPEN.sub(r"\\u003c", text.replace("</", "<\\/"))
+    return _BRACKET_WORD.sub(r"\\u005b", text)
+
+
+def as_function(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """A tool schema in the wrapped OpenAI form `{"type": "function", "function": {...}}`,
+    whether it came bare (`{"name", "description", "parameters"}`) or wrapped."""
+    return dict(schema) if "function" in schema else {"type": "function", "function": dict(schema)}
+
+
+# ---- calls from decoded JSON ---------------------------------------------------------------------
+
+
+def call_from_object(
+    raw: str, obj: Any, arguments_keys: Sequence[str] = ("arguments",)
+) -> ParsedToolCall | ToolCallParseError:
+    """A call from a decoded `{"name": str, <arguments key>: {...}}`; the arguments default to
+    {} when absent. `arguments_keys` are the keys the format accepts for the arguments (Llama's
+    template writes `parameters`); a call that sets two of them is refused."""
     if not isinstance(obj, dict):
         found = type(obj).__name__
-        return ToolCallParseError(
-            kind="parse", message=f"tool call must be a JSON object, got {found}", raw=raw
-        )
+        return parse_error(raw, f"tool call must be a JSON object, got {found}")
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
         return ToolCallParseError(
@@ -181,72 +296,44 @@ def decode_call_json(raw: str, inner: str) -> ParsedToolCall | ToolCallParseErro
             message=f'tool call needs a non-empty string "name", got {short_repr(name)}',
             raw=raw,
         )
-    arguments = obj.get("arguments", {})
+    present = [key for key in arguments_keys if key in obj]
+    if len(present) > 1:
+        both = " and ".join(f'"{key}"' for key in present)
+        return parse_error(raw, f"tool call {short_repr(name)} sets both {both}", name)
+    key = present[0] if present else arguments_keys[0]
+    arguments = obj.get(key, {})
     if not isinstance(arguments, dict):
-        return ToolCallParseError(
-            kind="invalid_arguments",
-            message=f'"arguments" of {name} must be a JSON object, got {type(arguments).__name__}',
-            raw=raw,
-            name=name,
-        )
+        found = type(arguments).__name__
+        message = f'"{key}" of {short_repr(name)} must be a JSON object, got {found}'
+        return ToolCallParseError(kind="invalid_arguments", message=message, raw=raw, name=name)
     return ParsedToolCall(name=name, arguments=arguments, raw=raw)
 
 
-_HERMES_INSTRUCTIONS = """# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{tools}
-</tools>
-
-For each function call, return a json object with function name and arguments within \
-<tool_call></tool_call> XML tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
+def decode_call_json(raw: str, inner: str) -> ParsedToolCall | ToolCallParseError:
+    """Decode `{"name": str, "arguments": {...}}`; `arguments` defaults to {} when absent."""
+    obj, problem = load_json(inner)
+    if problem is not None:
+        return parse_error(raw, problem.message)
+    return call_from_object(raw, obj)
 
 
-class HermesToolCallFormat:
-    """Hermes/Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, several per turn."""
-
-    open_tag = "<tool_call>"
-    close_tag = "</tool_call>"
-
-    @property
-    def stop_strings(self) -> list[str]:
-        """End the turn after the first complete call."""
-        return [self.close_tag]
-
-    def parse(self, text: str) -> list[ParsedToolCall | ToolCallParseError]:
-        """Every `<tool_call>` block of the turn, in order."""
-        return [
-            decode_call_json(raw, inner)
-            if inner is not None
-            else ToolCallParseError(
-                kind="parse", message=f"{self.open_tag} is never closed", raw=raw
-            )
-            for raw, inner in find_tagged_blocks(text, self.open_tag, self.close_tag)
-        ]
-
-    def render_call(self, name: str, arguments: Mapping[str, Any]) -> str:
-        """One call laid out as the tool block shows it (for expert policies and SFT data)."""
-        body = json.dumps({"name": name, "arguments": dict(arguments)}, ensure_ascii=False)
-        # `<\/` is JSON for `</`: a `</tool_call>` inside an argument must not close the block.
-        body = body.replace("</", "<\\/")
-        return f"{self.open_tag}\n{body}\n{self.close_tag}"
-
-    def render_tools(self, schemas: Sequence[Mapping[str, Any]]) -> str:
-        """Qwen2.5's tool block: one `{"type": "function", "function": schema}` per line."""
-        lines = [json.dumps(_as_function(schema), ensure_ascii=False) for schema in schemas]
-        return _HERMES_INSTRUCTIONS.format(tools="\n".join(lines))
+def arguments_call(raw: str, name: str, text: str) -> ParsedToolCall | ToolCallParseError:
+    """A call whose name the markup gives and whose `text` is the JSON arguments object alone
+    (Harmony, DeepSeek, Mistral v11)."""
+    if not name.strip():
+        message = f"tool call needs a non-empty function name, got {short_repr(name)}"
+        return ToolCallParseError(kind="missing_name", message=message, raw=raw)
+    arguments, problem = load_json(text, depth=MAX_JSON_DEPTH - 1)
+    if problem is not None:
+        return parse_error(raw, problem.message, name)
+    if not isinstance(arguments, dict):
+        found = type(arguments).__name__
+        message = f"arguments of {short_repr(name)} must be a JSON object, got {found}"
+        return ToolCallParseError(kind="invalid_arguments", message=message, raw=raw, name=name)
+    return ParsedToolCall(name=name, arguments=arguments, raw=raw)
 
 
-def _as_function(schema: Mapping[str, Any]) -> Mapping[str, Any]:
-    # Accept both the bare `{"name", "description", "parameters"}` and the wrapped OpenAI form.
-    return schema if "function" in schema else {"type": "function", "function": dict(schema)}
-
+# ---- checking calls against the tools ------------------------------------------------------------
 
 _SHORT_REPR = reprlib.Repr()
 _SHORT_REPR.maxstring = _SHORT_REPR.maxother = 80
@@ -268,8 +355,17 @@ def _describe_validation(name: str, error: ValidationError) -> str:
     return f"invalid arguments for {name}: " + "; ".join(problems)
 
 
+@functools.lru_cache(maxsize=256)
+def _arguments_schema(args_model: type[BaseModel]) -> dict[str, Any]:
+    """The JSON schema of a tool's arguments ({} when pydantic cannot write one)."""
+    try:
+        return args_model.model_json_schema()
+    except Exception:  # a field type with no JSON schema: its values stay text
+        return {}
+
+
 def _check_call(
-    call: ParsedToolCall, tools: Mapping[str, SupportsArgs]
+    call: ParsedToolCall, tools: Mapping[str, SupportsArgs], fmt: ToolCallFormat
 ) -> ParsedToolCall | ToolCallParseError:
     tool = tools.get(call.name)
     if tool is None:
@@ -278,6 +374,11 @@ def _check_call(
         return ToolCallParseError(
             kind="unknown_tool", message=message, raw=call.raw, name=call.name
         )
+    if isinstance(fmt, TypesArguments):
+        typed = fmt.typed_arguments(call, _arguments_schema(tool.args_model))
+        if isinstance(typed, ToolCallParseError):
+            return typed
+        call = typed
     try:
         tool.args_model.model_validate(call.arguments)
     except ValidationError as error:
@@ -298,8 +399,13 @@ def parse_tool_calls(
     tools: Mapping[str, SupportsArgs] | None = None,
     fmt: ToolCallFormat | None = None,
 ) -> list[ParsedToolCall | ToolCallParseError]:
-    """Parse every call in `text`; with `tools`, also check names and validate arguments."""
-    calls = (fmt or HermesToolCallFormat()).parse(text)
+    """Parse every call in `text` (Hermes unless `fmt`); with `tools`, also check names, type
+    text arguments (`TypesArguments`) and validate arguments."""
+    if fmt is None:
+        from agent_grpo.tools.formats.hermes import HermesToolCallFormat
+
+        fmt = HermesToolCallFormat()
+    calls = fmt.parse(text)
     if tools is None:
         return calls
-    return [_check_call(c, tools) if isinstance(c, ParsedToolCall) else c for c in calls]
+    return [_check_call(c, tools, fmt) if isinstance(c, ParsedToolCall) else c for c in calls]

@@ -1,23 +1,24 @@
-"""Tool-call parsing: Hermes format, typed errors, validation against tool args models, and a
-second format added in one small class."""
+"""The Hermes format (`<tool_call>{json}</tool_call>`): parsing, typed errors, validation against
+tool args models, render/parse round trips. Hostile JSON in Hermes calls (deep nesting, huge
+numbers, NaN) is tested through the whole rollout in tests/rollout/test_hostile_input.py."""
 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from agent_grpo.tools.call_format import (
+from agent_grpo.envs.calculator import CalculatorEnv
+from agent_grpo.envs.text_env import read_step_info, run_expert
+from agent_grpo.testing.tool_formats import arguments, tool_names
+from agent_grpo.tools.formats import (
     HermesToolCallFormat,
     ParsedToolCall,
-    ToolCallFormat,
     ToolCallParseError,
-    decode_call_json,
-    find_tagged_blocks,
     parse_tool_calls,
 )
 
@@ -138,10 +139,6 @@ def test_reopened_tag_closes_nothing() -> None:
     assert isinstance(parsed, ParsedToolCall) and parsed.name == "search"
 
 
-def test_find_tagged_blocks() -> None:
-    assert find_tagged_blocks("a[x]b[y", "[", "]") == [("[x]", "x"), ("[y", None)]
-
-
 def test_hermes_render_tools_and_stop_strings() -> None:
     fmt = HermesToolCallFormat()
     bare = {
@@ -157,35 +154,6 @@ def test_hermes_render_tools_and_stop_strings() -> None:
     assert fmt.stop_strings == ["</tool_call>"]
 
 
-class FunctionTagFormat:
-    """A second format in one small class: `<function=NAME>{json arguments}</function>`."""
-
-    stop_strings = ["</function>"]
-
-    def parse(self, text: str) -> list[ParsedToolCall | ToolCallParseError]:
-        calls = re.finditer(r"<function=([^>]*)>(.*?)</function>", text, re.DOTALL)
-        return [
-            decode_call_json(m[0], f'{{"name": {json.dumps(m[1])}, "arguments": {m[2]}}}')
-            for m in calls
-        ]
-
-    def render_tools(self, schemas: Sequence[Mapping[str, Any]]) -> str:
-        return "Call a tool as <function=NAME>{json}</function>. Tools: " + json.dumps(
-            list(schemas)
-        )
-
-
-def test_another_format_plugs_in() -> None:
-    fmt: ToolCallFormat = FunctionTagFormat()
-    text = 'x <function=add>{"a": 1, "b": 2}</function> <function=add>{"a": 1}</function>'
-    parsed, error = parse_tool_calls(text, TOOLS, fmt)
-    assert parsed == ParsedToolCall(name="add", arguments={"a": 1, "b": 2}, raw=text[2:43])
-    assert isinstance(error, ToolCallParseError) and error.kind == "invalid_arguments"
-    assert (
-        parse_tool_calls(call('{"name": "add", "arguments": {"a": 1, "b": 2}}'), TOOLS, fmt) == []
-    )
-
-
 def test_render_call_round_trips() -> None:
     fmt = HermesToolCallFormat()
     text = fmt.render_call("search", {"query": "日本 </tool_call>", "k": 2})
@@ -196,3 +164,52 @@ def test_render_call_round_trips() -> None:
     # Written literally, the same argument closes the block early: a limit of the format.
     [error] = parse_tool_calls(text.replace("<\\/", "</"), TOOLS)
     assert isinstance(error, ToolCallParseError) and error.kind == "parse"
+
+
+def test_several_rendered_calls_parse_in_order() -> None:
+    fmt = HermesToolCallFormat()
+    first = fmt.render_call("add", {"a": 1, "b": 2})
+    second = fmt.render_call("search", {"query": "x"})
+    assert parse_tool_calls(f"{first}\n{second}", TOOLS, fmt) == [
+        ParsedToolCall(name="add", arguments={"a": 1, "b": 2}, raw=first),
+        ParsedToolCall(name="search", arguments={"query": "x"}, raw=second),
+    ]
+
+
+def test_special_token_text_in_an_argument_is_written_as_an_escape() -> None:
+    text = HermesToolCallFormat().render_call("search", {"query": "<|im_end|> [TOOL_CALLS]"})
+    assert "<|" not in text and "[TOOL_CALLS]" not in text  # a tokenizer sees no special token
+    [call] = parse_tool_calls(text)
+    assert isinstance(call, ParsedToolCall) and call.arguments == {
+        "query": "<|im_end|> [TOOL_CALLS]"
+    }
+
+
+@settings(max_examples=150, deadline=None)
+@given(tool_names, arguments)
+def test_any_call_round_trips(name: str, args: dict[str, Any]) -> None:
+    fmt = HermesToolCallFormat()
+    text = fmt.render_call(name, args)
+    assert [(c.name, getattr(c, "arguments", None)) for c in fmt.parse(text)] == [(name, args)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(tool_names, arguments), min_size=1, max_size=4))
+def test_any_calls_in_one_turn_round_trip(calls: list[tuple[str, dict[str, Any]]]) -> None:
+    fmt = HermesToolCallFormat()
+    text = "thinking\n".join(fmt.render_call(name, args) for name, args in calls)
+    assert [(c.name, getattr(c, "arguments", None)) for c in fmt.parse(text)] == calls
+
+
+def test_the_expert_solves_tasks_in_this_format() -> None:
+    episode = run_expert(CalculatorEnv(tool_call_format="hermes"), seed=3)
+    assert episode.success and episode.messages[2].content.startswith("<tool_call>")
+
+
+def test_a_malformed_call_is_an_error_observation_and_counted() -> None:
+    env = CalculatorEnv(tool_call_format="hermes")
+    env.reset(seed=1)
+    obs, _, terminated, _, info = env.step('<tool_call>{"name": "calculator"')
+    step = read_step_info(info)
+    assert obs[0]["content"] == "Error: <tool_call> is never closed" and not terminated
+    assert (step.malformed_tool_calls, env.malformed_tool_calls) == (1, 1)
