@@ -30,7 +30,10 @@ SETTINGS = ["steps=3", "eval.tasks=1", "warm_start.demos=2", "run.tensorboard=fa
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    """A real 3-step run of calculator-tiny (checkpoints 2 and 3 kept, 0 and 1 pruned)."""
+    """A real 3-step run of calculator-tiny (checkpoints 2 and 3 kept, 0 and 1 pruned).
+
+    Training it takes seconds, so every test on it is marked slow: `make test` runs them, `make
+    test-fast` runs only the key tests at the end, which need no run."""
     root = tmp_path_factory.mktemp("verify-run")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop(KEY_ENV, None)
@@ -203,6 +206,7 @@ RECORD_CASES = {
 }
 
 
+@pytest.mark.slow
 def test_the_untouched_run_verifies(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, lines = _verify(run, capsys)
     assert code == 0
@@ -210,6 +214,7 @@ def test_the_untouched_run_verifies(run: Path, capsys: pytest.CaptureFixture[str
     assert "(sha256, not a signature) and every piece matches" in lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(MANIFEST_CASES))
 def test_a_corrupted_run_fails_naming_the_corruption(
     run: Path, capsys: pytest.CaptureFixture[str], case: str
@@ -221,6 +226,7 @@ def test_a_corrupted_run_fails_naming_the_corruption(
     assert lines[0].startswith("verify run: FAILED: ") and named in lines[0], lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(RECORD_CASES))
 def test_records_are_cross_checked_without_a_manifest(
     run: Path, capsys: pytest.CaptureFixture[str], case: str
@@ -234,6 +240,7 @@ def test_records_are_cross_checked_without_a_manifest(
     assert failed and named in failed[0], lines
 
 
+@pytest.mark.slow
 def test_a_run_without_a_manifest_is_unverifiable_as_a_whole(
     run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -246,6 +253,7 @@ def test_a_run_without_a_manifest_is_unverifiable_as_a_whole(
     ]
 
 
+@pytest.mark.slow
 def test_success_is_checked_against_the_verifier(run: Path) -> None:
     step = RunWriter.open(run).scan_step(1)
     record = step[0].record
@@ -259,6 +267,7 @@ def test_success_is_checked_against_the_verifier(run: Path) -> None:
 # Crash safety: a kill between a piece and its entry, then a resume's rollback
 
 
+@pytest.mark.slow
 def test_a_resume_rolls_the_manifest_back_with_the_run(
     run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -276,6 +285,7 @@ def test_a_resume_rolls_the_manifest_back_with_the_run(
     assert [json.loads(r)["step"] for r in _lines(run / "metrics.jsonl")] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_renamed_before_its_entry_is_adopted_on_resume(
     run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -286,6 +296,7 @@ def test_a_checkpoint_renamed_before_its_entry_is_adopted_on_resume(
     assert code == 0, lines
 
 
+@pytest.mark.slow
 def test_a_prune_killed_half_way_is_finished_on_resume(
     run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
