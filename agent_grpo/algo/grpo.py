@@ -157,10 +157,12 @@ def group_advantages(
     if leave_one_out:
         centered = centered * n / (n - 1).clamp(min=1)  # [B]
     advantages = centered / (std + eps) if scale == "group" else centered  # [B]
-    high = zeros.scatter_reduce(0, index, torch.where(keep, rewards, -torch.inf), "amax",
-                                include_self=False)  # fmt: skip  # [G]
-    low = zeros.scatter_reduce(0, index, torch.where(keep, rewards, torch.inf), "amin",
-                               include_self=False)  # fmt: skip  # [G]
+    high = zeros.scatter_reduce(
+        0, index, torch.where(keep, rewards, -torch.inf), "amax", include_self=False
+    )  # [G]
+    low = zeros.scatter_reduce(
+        0, index, torch.where(keep, rewards, torch.inf), "amin", include_self=False
+    )  # [G]
     degenerate = ~keep | (n < 2) | (high == low)[index]  # [B]; not has_reward_variance
     return torch.where(degenerate, 0.0, advantages).to(torch.float32)  # [B]
 

@@ -301,8 +301,13 @@ def write_html(
     """Write `render_html(...)` to `path`; return it."""
     path = Path(path)
     page = render_html(
-        records, tokenizer, clip_eps=clip_eps, title=title, low_prob=low_prob,
-        open_step=open_step, baselines=baselines,
-    )  # fmt: skip
+        records,
+        tokenizer,
+        clip_eps=clip_eps,
+        title=title,
+        low_prob=low_prob,
+        open_step=open_step,
+        baselines=baselines,
+    )
     path.write_text(page, encoding="utf-8")
     return path

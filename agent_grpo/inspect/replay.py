@@ -173,8 +173,14 @@ def _num(value: float | None, fmt: str = ".4f") -> str:
 
 def _header(record: TrajectoryRecord) -> Table:
     table = Table.grid(padding=(0, 2))
-    table.add_row("uid", visible_text(record.uid), "step", str(record.step), "task",
-                  visible_text(record.task_id))  # fmt: skip
+    table.add_row(
+        "uid",
+        visible_text(record.uid),
+        "step",
+        str(record.step),
+        "task",
+        visible_text(record.task_id),
+    )
     table.add_row(
         "reward",
         _num(record.reward),
@@ -379,19 +385,37 @@ def render_group(
     """A group's samples side by side: reward, advantage, success, termination, lengths. The
     caption is `baseline`: by default that of `records` under GRPO's default norm."""
     baseline = baseline or group_baseline(records)
-    title = visible_text(f"group {records[0].group_id} (step {records[0].step})" if records
-                         else "group")  # fmt: skip
+    title = visible_text(
+        f"group {records[0].group_id} (step {records[0].step})" if records else "group"
+    )
     table = Table(
-        "sample", "reward", "advantage", "success", "termination", "turns", "model tok",
-        "tool calls", "tool errors", "excluded", title=title, caption=baseline.caption(),
-    )  # fmt: skip
+        "sample",
+        "reward",
+        "advantage",
+        "success",
+        "termination",
+        "turns",
+        "model tok",
+        "tool calls",
+        "tool errors",
+        "excluded",
+        title=title,
+        caption=baseline.caption(),
+    )
     for r in sorted(records, key=lambda r: r.index_in_group):
         calls = [c for t in r.turns for c in t.tool_calls]
         table.add_row(
-            str(r.index_in_group), _num(r.reward), _num(r.advantage, "+.4f"), str(r.success),
-            r.termination.kind, str(len(r.turns)), str(sum(r.loss_mask)), str(len(calls)),
-            str(sum(c.error is not None for c in calls)), visible_text(r.excluded or ""),
-        )  # fmt: skip
+            str(r.index_in_group),
+            _num(r.reward),
+            _num(r.advantage, "+.4f"),
+            str(r.success),
+            r.termination.kind,
+            str(len(r.turns)),
+            str(sum(r.loss_mask)),
+            str(len(calls)),
+            str(sum(c.error is not None for c in calls)),
+            visible_text(r.excluded or ""),
+        )
     return table
 
 
@@ -432,14 +456,20 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `replay RUN ...` on an argparse subparsers object."""
     p = subparsers.add_parser("replay", help="show stored trajectories, token by token")
     p.add_argument("run", type=Path, help="run directory")
-    p.add_argument("--step", type=int,
-                   help="step to show (default: the latest); --html: the page holds every step "
-                        "and opens on this one")  # fmt: skip
+    p.add_argument(
+        "--step",
+        type=int,
+        help=(
+            "step to show (default: the latest); --html: the page holds every step and opens on "
+            "this one"
+        ),
+    )
     p.add_argument("--group", type=_group_arg, help="group id, or g: the g-th group of the step")
     p.add_argument("--sample", type=int, help="index of the sample within its group")
     p.add_argument("--tokens", action="store_true", help="show every token with its logprobs")
-    p.add_argument("--no-prompt", action="store_true",
-                   help="leave the prompt (its messages and tokens) out")  # fmt: skip
+    p.add_argument(
+        "--no-prompt", action="store_true", help="leave the prompt (its messages and tokens) out"
+    )
     p.add_argument("--failed", action="store_true", help="only records not judged solved")
     p.add_argument("--truncated", action="store_true", help="only records ended by a limit")
     p.add_argument("--errors", action="store_true", help="only records with a failed tool call")
@@ -447,23 +477,36 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--reward-max", type=float, help="only records with reward <= X")
     p.add_argument("--clip-eps", type=float, default=DEFAULT_CLIP_EPS, help="|ratio-1| flagged")
     p.add_argument("--html", type=Path, help="write a self-contained HTML page here instead")
-    p.add_argument("--verify", action="store_true",
-                   help="check the records (every step unless --step: torn lines, content "
-                        "hashes, token invariants, duplicates, whole groups), re-run the env and "
-                        "compare, check the run against its manifest.jsonl and the records "
-                        "against config.yaml; exit 1 on any problem")  # fmt: skip
-    p.add_argument("--recompute-logprobs", type=Path, metavar="CHECKPOINT",
-                   help="score the tokens with this checkpoint (an HF model dir, or a run's "
-                        "checkpoints/step_N) and report the drift")  # fmt: skip
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help=(
+            "check the records (every step unless --step: torn lines, content hashes, token "
+            "invariants, duplicates, whole groups), re-run the env and compare, check the run "
+            "against its manifest.jsonl and the records against config.yaml; exit 1 on any problem"
+        ),
+    )
+    p.add_argument(
+        "--recompute-logprobs",
+        type=Path,
+        metavar="CHECKPOINT",
+        help=(
+            "score the tokens with this checkpoint (an HF model dir, or a run's "
+            "checkpoints/step_N) and report the drift"
+        ),
+    )
     p.set_defaults(func=cmd_replay)
     return p
 
 
 def _record_filter(args: argparse.Namespace) -> RecordFilter:
     return RecordFilter(
-        failed=args.failed, truncated=args.truncated, errors=args.errors,
-        reward_min=args.reward_min, reward_max=args.reward_max,
-    )  # fmt: skip
+        failed=args.failed,
+        truncated=args.truncated,
+        errors=args.errors,
+        reward_min=args.reward_min,
+        reward_max=args.reward_max,
+    )
 
 
 def _show(
@@ -478,9 +521,15 @@ def _show(
         console.print(render_group(members, baselines[key]))
         for r in members if detailed else []:
             console.print(
-                render_trajectory(r, tokenizer, tokens=args.tokens, clip_eps=args.clip_eps,
-                                  plain=plain, prompt=not args.no_prompt)
-            )  # fmt: skip
+                render_trajectory(
+                    r,
+                    tokenizer,
+                    tokens=args.tokens,
+                    clip_eps=args.clip_eps,
+                    plain=plain,
+                    prompt=not args.no_prompt,
+                )
+            )
 
 
 def _by_group(records: Sequence[TrajectoryRecord]) -> dict[tuple[int, str], list[TrajectoryRecord]]:
@@ -545,9 +594,14 @@ def _write_html(args: argparse.Namespace, run: RunWriter, records: list[Trajecto
     from agent_grpo.inspect.html import write_html
 
     write_html(
-        args.html, records, load_run_tokenizer(run), clip_eps=args.clip_eps, title=run.run_id,
-        open_step=args.step, baselines=group_baselines(run, records),
-    )  # fmt: skip
+        args.html,
+        records,
+        load_run_tokenizer(run),
+        clip_eps=args.clip_eps,
+        title=run.run_id,
+        open_step=args.step,
+        baselines=group_baselines(run, records),
+    )
 
 
 def _recompute(console: Console, records: list[TrajectoryRecord], checkpoint: Path) -> None:
