@@ -10,10 +10,26 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from agent_grpo.algo.grpo import Aggregation, KLKind, advantage_scale
+from agent_grpo.algo.grpo import Aggregation, KLKind, RatioLevel, advantage_scale
+from agent_grpo.algo.masking import MaskLevel
 from agent_grpo.config.base import ConfigModel
 
-__all__ = ["AlgoConfig", "SpeedConfig"]
+__all__ = ["AlgoConfig", "MaskConfig", "SpeedConfig"]
+
+
+class MaskConfig(ConfigModel):
+    """Masked importance sampling (MIS; IcePop with the defaults): trained tokens whose
+    trainer/sampler ratio pi_old / mu leaves [low, high] get weight 0, the others their ratio
+    (`agent_grpo.algo.masking`). Where truncation (`tis_cap`) keeps a far-off token at a capped
+    weight, masking drops it."""
+
+    low: float = Field(default=0.5, gt=0.0, le=1.0)
+    """Lower end of the band (IcePop: 0.5)."""
+    high: float = Field(default=5.0, ge=1.0)
+    """Upper end of the band (IcePop: 5)."""
+    level: MaskLevel = "token"
+    """`token`: each token's own ratio; `sequence`: the product of a row's token ratios, the
+    whole row kept or dropped (verl's `rollout_rs: sequence`)."""
 
 
 class SpeedConfig(ConfigModel):
@@ -83,6 +99,17 @@ class AlgoConfig(ConfigModel):
     """Where pi_old comes from: recomputed by the trainer, or the sampler's logprobs."""
     tis_cap: float | None = Field(default=None, gt=0.0)
     """Cap of truncated importance sampling weights exp(pi_old - sampler); None disables."""
+    mask: MaskConfig | None = None
+    """Masked importance sampling instead of truncation (`MaskConfig`; `{}` is IcePop's band);
+    None disables."""
+    ratio: RatioLevel = "token"
+    """Importance ratio of the clipped loss: per `token` (PPO, GRPO) or per `sequence`, the
+    geometric mean of a row's token ratios (GSPO, Zheng et al. 2025). GSPO's paper clips the
+    sequence ratio far tighter (clip_low 3e-4, clip_high 4e-4) than PPO's 0.2."""
+    dual_clip: float | None = Field(default=None, gt=1.0)
+    """Dual-clip PPO's c: the loss of a negative-advantage token is capped at -c * A, so a ratio
+    far above 1 cannot dominate the update (verl's `clip_ratio_c`, default there 3); None
+    disables."""
     drop_dead_groups: bool = False
     """Leave zero-variance groups out of the loss denominator."""
     dynamic_sampling: bool = False
@@ -112,6 +139,17 @@ class AlgoConfig(ConfigModel):
                 "algo.tis_cap corrects pi_old for the sampler's mismatch, but "
                 "algo.old_logprobs=sampler makes pi_old the sampler: the weights would all be 1. "
                 "Use old_logprobs=trainer with tis_cap, or drop tis_cap"
+            )
+        if self.mask is not None and self.tis_cap is not None:
+            raise ValueError(
+                "algo.mask and algo.tis_cap are two corrections of the same weight (masking "
+                "drops far-off tokens, truncation caps them); set one"
+            )
+        if self.old_logprobs == "sampler" and self.mask is not None:
+            raise ValueError(
+                "algo.mask corrects pi_old for the sampler's mismatch, but "
+                "algo.old_logprobs=sampler makes pi_old the sampler: every ratio would be 1. "
+                "Use old_logprobs=trainer with mask, or drop mask"
             )
         if self.max_tokens is not None and self.aggregation != "seq-mean-token-sum-norm":
             raise ValueError(

@@ -1,7 +1,7 @@
 """Pure GRPO math: group-relative advantages, KL estimators, the clipped policy loss.
 
 Every function here takes tensors and returns tensors (plus float metrics); nothing touches a
-model, a tokenizer or a config, so the golden tests in `tests/test_grpo.py` pin each formula.
+model, a tokenizer or a config, so the golden tests in `tests/algo/test_grpo.py` pin each formula.
 
 Shapes: `B` sequences (all groups of a step, flattened), `T` tokens per padded sequence.
 `mask` is True exactly on tokens the policy sampled (`Provenance.MODEL`); every other position
@@ -41,6 +41,9 @@ Where we depart from the papers, and why:
   advantage 0 (`group_advantages(valid=...)`); the papers have no such members.
 - Groups whose rewards are all equal (or that have one member) get advantage exactly 0 rather
   than `0 / eps` noise; they contribute no policy gradient, only their KL term if beta > 0.
+- The ratio is per token as in PPO; `ratio_level="sequence"` is GSPO's per-sequence geometric
+  mean instead (`agent_grpo.algo.sequence_ratio`), and `dual_clip_c` adds dual-clip PPO's cap on
+  negative advantages (`agent_grpo.algo.dual_clip`). Both are off by default.
 - `is_weights` applies truncated importance sampling (Yao et al., "Your efficient RL framework
   secretly brings you off-policy RL training") to the sampler/trainer logprob mismatch; the
   papers assume the two are identical.
@@ -70,10 +73,14 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from agent_grpo.algo.dual_clip import dual_clip
+from agent_grpo.algo.sequence_ratio import sequence_log_ratio
+
 __all__ = [
     "Aggregation",
     "KLKind",
     "PolicyLossMetrics",
+    "RatioLevel",
     "advantage_scale",
     "group_advantages",
     "has_reward_variance",
@@ -86,6 +93,7 @@ __all__ = [
 
 KLKind = Literal["k1", "k2", "k3"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+RatioLevel = Literal["token", "sequence"]
 
 
 def _group_index(group_ids: Tensor | Sequence[Hashable], device: torch.device) -> Tensor:
@@ -309,6 +317,8 @@ def policy_loss(
     is_weights: Tensor | None = None,
     denominator: float | Tensor | None = None,
     sequence_tokens: Tensor | None = None,
+    ratio_level: RatioLevel = "token",
+    dual_clip_c: float | None = None,
 ) -> tuple[Tensor, PolicyLossMetrics]:
     """Clipped GRPO surrogate: per token `-min(rho*A, clip(rho, 1-lo, 1+hi)*A) + beta*KL`.
 
@@ -327,6 +337,10 @@ def policy_loss(
     losses equal the loss of the whole batch. A sequence may span several rows (the branches
     of a forked episode): `sequence_tokens` `[B]` then gives each row its whole sequence's
     masked-token count, so `seq-mean-token-mean` averages each sequence once.
+
+    `ratio_level="sequence"` is GSPO: every token of a row takes the row's geometric-mean ratio
+    (`sequence_ratio.sequence_log_ratio`), clipped per sequence. `dual_clip_c` caps the loss of
+    negative advantages at `-c * A` (`dual_clip.dual_clip`).
     """
     mask = mask.bool()  # [B, T]
     if advantages.dim() == 1:
@@ -335,10 +349,17 @@ def policy_loss(
     logprobs = torch.where(mask, logprobs, 0.0)  # [B, T]
     old = torch.where(mask, old_logprobs.detach(), 0.0)  # [B, T]
     advantages = torch.where(mask, advantages.detach(), 0.0)  # [B, T]
-    log_ratio = logprobs - old  # [B, T]
+    if ratio_level == "token":
+        log_ratio = logprobs - old  # [B, T]
+    elif ratio_level == "sequence":
+        log_ratio = sequence_log_ratio(logprobs, old, mask)  # [B, T], GSPO-token
+    else:
+        raise ValueError(f"unknown ratio level {ratio_level!r}; expected token or sequence")
     ratio = torch.exp(log_ratio)  # [B, T]
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)  # [B, T]
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)  # [B, T]
+    if dual_clip_c is not None:
+        per_token = dual_clip(per_token, advantages, dual_clip_c)  # [B, T]
     if is_weights is not None:
         per_token = per_token * torch.where(mask, is_weights.detach(), 1.0)  # [B, T]
     kl_ref = None

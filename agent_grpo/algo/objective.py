@@ -1,9 +1,10 @@
 """The GRPO objective of one micro-batch, as `AlgoConfig` configures it.
 
 `agent_grpo.algo.grpo` holds the formulas; this file only binds them to the config: which pi_old
-(the trainer's, this pass's own, or the sampler's), the truncated importance weights, the KL
-estimator and the aggregation with a denominator shared by every micro-batch of a minibatch, so
-how a minibatch is split (into micro-batches, or over ranks) never changes its loss.
+(the trainer's, this pass's own, or the sampler's), the truncated or masked importance weights,
+the ratio's level (per token, or GSPO's per sequence), dual-clip, the KL estimator and the
+aggregation with a denominator shared by every micro-batch of a minibatch, so how a minibatch
+is split (into micro-batches, or over ranks) never changes its loss.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import Tensor
 
 from agent_grpo.algo.config import AlgoConfig
 from agent_grpo.algo.grpo import PolicyLossMetrics, policy_loss, truncated_is_weights
+from agent_grpo.algo.masking import masked_is_weights
 
 __all__ = ["MicroBatchLoss", "grpo_micro_batch_loss", "loss_denominator"]
 
@@ -46,7 +48,8 @@ class MicroBatchLoss:
     metrics: PolicyLossMetrics
     """Clip fractions, KLs and ratio statistics over its trained tokens."""
     tis_capped: int
-    """Trained tokens whose importance weight hit `tis_cap` (0 without TIS)."""
+    """Trained tokens whose importance weight was cut: capped at `tis_cap` (TIS) or zeroed
+    outside `algo.mask`'s band (MIS); 0 without either."""
 
 
 def grpo_micro_batch_loss(
@@ -67,7 +70,8 @@ def grpo_micro_batch_loss(
     `logprobs` (trainer, with grad), `old`, `ref`, `sampler` and `loss_mask` are `[b, t]`;
     `advantages` is `[b]`, `sequence_tokens` (optional, `[b]`) each row's episode's model-token
     count (`policy_loss`). `old=None` means on-policy: pi_old is `logprobs` detached (ratio 1).
-    Truncated importance weights `min(exp(pi_old - sampler), tis_cap)` multiply the policy term.
+    Truncated importance weights `min(exp(pi_old - sampler), tis_cap)`, or masked ones
+    (`algo.mask`), multiply the policy term.
     """
     pi_old = logprobs.detach() if old is None else old  # [b, t]
     weights = None
@@ -75,6 +79,10 @@ def grpo_micro_batch_loss(
     if algo.tis_cap is not None:
         weights = truncated_is_weights(pi_old, sampler, loss_mask, algo.tis_cap)  # [b, t]
         capped = int(((weights >= algo.tis_cap) & loss_mask).sum())
+    elif algo.mask is not None:
+        band = algo.mask
+        weights = masked_is_weights(pi_old, sampler, loss_mask, band.low, band.high, band.level)
+        capped = int(((weights == 0) & loss_mask).sum())
     loss, metrics = policy_loss(
         logprobs,
         pi_old,
@@ -90,5 +98,7 @@ def grpo_micro_batch_loss(
         is_weights=weights,
         denominator=denominator,
         sequence_tokens=sequence_tokens,
+        ratio_level=algo.ratio,
+        dual_clip_c=algo.dual_clip,
     )
     return MicroBatchLoss(loss=loss, metrics=metrics, tis_capped=capped)

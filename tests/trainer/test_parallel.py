@@ -22,6 +22,7 @@ import torch
 
 from agent_grpo import cli
 from agent_grpo.algo.grpo import policy_loss, truncated_is_weights
+from agent_grpo.algo.masking import masked_is_weights
 from agent_grpo.algo.objective import loss_denominator
 from agent_grpo.config.jobs import AlgoConfig
 from agent_grpo.models.loading import load_model
@@ -107,10 +108,15 @@ def plain_update(
     weights = None
     if algo.tis_cap is not None:
         weights = truncated_is_weights(old, batch.sampler_logprobs, batch.loss_mask, algo.tis_cap)
+    if algo.mask is not None:
+        band = algo.mask
+        weights = masked_is_weights(old, batch.sampler_logprobs, batch.loss_mask, band.low,
+                                    band.high, band.level)  # fmt: skip
     loss, m = policy_loss(
         logprobs, old, batch.advantages, batch.loss_mask, ref_logprobs=case["ref"],
         clip_low=algo.clip_low, clip_high=algo.clip_high, beta=algo.beta, kl=algo.kl,
         aggregation=algo.aggregation, max_tokens=case["max_tokens"], is_weights=weights,
+        ratio_level=algo.ratio, dual_clip_c=algo.dual_clip,
     )  # fmt: skip
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), algo.max_grad_norm)
@@ -324,6 +330,13 @@ VARIANTS = {
         d, speed={"micro_batch_tokens": 48, "shared_prefix": False}
     ),
     "on-policy": on_policy_case,
+    # ratios exp(+-0.3) around pi_old: c = 1.1 caps some negative-advantage tokens
+    "dual-clip": lambda d: make_case(d, dual_clip=1.1),
+    # GSPO: sequence ratios near 1, so its tight clip range is what makes some clip
+    "gspo": lambda d: make_case(d, ratio="sequence", clip_low=0.02, clip_high=0.02),
+    # pi_old - sampler ~ N(0, 0.42^2): IcePop's band keeps most tokens, [0.8, 1.25] drops many
+    "mis-token": lambda d: make_case(d, tis_cap=None, mask={"low": 0.8, "high": 1.25}),
+    "mis-sequence": lambda d: make_case(d, tis_cap=None, mask={"level": "sequence"}),
 }
 
 
