@@ -83,8 +83,35 @@ def _add_config_command(
     return parser
 
 
-def build_parser(*, with_replay: bool = True) -> argparse.ArgumentParser:
-    """The argument parser for every subcommand."""
+# Subcommands whose modules import torch, transformers or rich: each is registered in full only
+# when it is the one asked for, so `agent-grpo --help` and every other command import none of
+# them. The help line here is the one `agent-grpo --help` shows (a test keeps it equal to the
+# module's own).
+LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "replay": ("agent_grpo.inspect.replay", "add_replay_parser",
+               "show stored trajectories, token by token"),
+    "inspect": ("agent_grpo.inspect.curves", "add_inspect_parser",
+                "per-step metrics table and curves of a run"),
+    "conform": ("agent_grpo.inspect.conform", "add_conform_parser",
+                "check a model's tokenizer, chat template and tool-call format"),
+}  # fmt: skip
+
+
+def _add_lazy_commands(sub: Any, command: str | None) -> None:
+    """Register `command`'s parser from its module if it is a lazy one; the others as a name and
+    a help line only."""
+    import importlib
+
+    for name, (module, adder, help_text) in LAZY_COMMANDS.items():
+        if name == command:
+            getattr(importlib.import_module(module), adder)(sub)
+        else:
+            sub.add_parser(name, help=help_text)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser for every subcommand; `command` (the one on the command line) is the
+    one of `LAZY_COMMANDS` whose module is imported to register it in full."""
     parser = argparse.ArgumentParser(prog="agent-grpo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train = _add_config_command(sub, "train", "train a policy with GRPO", _cmd_train)
@@ -105,13 +132,7 @@ def build_parser(*, with_replay: bool = True) -> argparse.ArgumentParser:
     export.add_argument("run", help="run directory")
     export.add_argument("--out", help="output directory (default: RUN-export)")
     export.set_defaults(func=_cmd_export)
-    if with_replay:  # rich/matplotlib-heavy; `model fetch` must not depend on it
-        from agent_grpo.inspect.conform import add_conform_parser
-        from agent_grpo.inspect.replay import add_inspect_parser, add_replay_parser
-
-        add_replay_parser(sub)
-        add_inspect_parser(sub)
-        add_conform_parser(sub)
+    _add_lazy_commands(sub, command)
     from agent_grpo.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS  # no torch
 
     model = sub.add_parser("model", help="manage the embedded models")
@@ -145,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     setup_logging()
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(build_parser(with_replay=argv[:1] != ["model"]), argv)
+    args = parse_args(build_parser(argv[0] if argv else None), argv)
     if args.func is not _cmd_train:
         return _run(args)
     from agent_grpo.trainer.parallel import end_rank, launched_world_size

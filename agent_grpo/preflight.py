@@ -13,13 +13,19 @@ In order:
   written into `env.kwargs.tool_call_format`, the one place every env of the run is built from
   (rollouts on any worker, evaluation, warm start, `replay --verify` from `config.yaml`);
 - `env.kwargs` against the constructor: an unknown or missing argument, with the names it takes;
+- one reset (`check_reset`): it must not raise (an MCP server that cannot start is one line) and
+  must return `(messages, info)`, the chat messages the collector builds the prompt from;
 - that the sandbox can run, when a tool of the env needs it (`Tool.needs_sandbox`, the `python`
   tool): without bubblewrap every call would be a `SandboxError`, and the run would train on
   episodes of reward 0;
 - that `reset` is deterministic: each env is reset twice with the same seed, and a second
   instance once more. Every member of a group is a fresh env reset with the group's seed, so a
   reset that varies gives each member a different task and the group baseline compares unrelated
-  episodes: GRPO still runs, and learns noise.
+  episodes: GRPO still runs, and learns noise;
+- one turn (`check_step`): a plain answer, which a text or tool env takes as the final one and
+  hands to its verifier. A verifier that raises would otherwise end every episode as an env
+  error of reward 0 (the base eval reports success 0.000) and stop the warm start later; here
+  it is one line with the user's file and line.
 
 Where we depart from gymnasium's `env_checker`: it checks spaces and API shapes on a constructed
 env; we check only what would silently break a GRPO run, and turn a config mistake into one line.
@@ -30,6 +36,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import sysconfig
+import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,16 +55,21 @@ from agent_grpo.envs.text_env import HELDOUT_SEEDS, TRAIN_SEEDS, ToolEnv
 from agent_grpo.models.loading import check_model_source, load_tokenizer, resolve_model_path
 from agent_grpo.sandbox.runner import sandbox_refusal
 from agent_grpo.tools.formats.registry import AUTO, get_tool_format, tool_format_for
+from agent_grpo.tools.mcp_client import McpServerError
+from agent_grpo.trajectory.record import Message
 
 __all__ = [
+    "CHECK_ANSWER",
     "CHECK_SEEDS",
     "ConstructorArguments",
     "PreflightError",
     "bind_tool_format",
     "chat_template_of",
     "check_env",
+    "check_reset",
     "check_reset_deterministic",
     "check_sandbox",
+    "check_step",
     "constructor_arguments",
     "kwargs_problem",
     "preflight_eval",
@@ -65,6 +79,8 @@ __all__ = [
 
 CHECK_SEEDS = (TRAIN_SEEDS.start, HELDOUT_SEEDS.start)
 """Task seeds the determinism check resets with: one training and one held-out seed."""
+CHECK_ANSWER = "Answer: 0"
+"""The turn `check_step` takes: no tool call, so a text or tool env verifies it as the answer."""
 
 
 class PreflightError(ConfigError):
@@ -89,13 +105,15 @@ def preflight_eval(config: EvalRunConfig) -> None:
 
 
 def check_env(env: EnvConfig) -> None:
-    """The env id resolves, its constructor takes `env.kwargs`, the sandbox its tools need can
-    run, and its reset is deterministic."""
+    """The env id resolves, its constructor takes `env.kwargs`, a reset returns chat messages,
+    the sandbox its tools need can run, its reset is deterministic, and it takes a turn."""
     spec, creator = resolve_env(env.id)
     first = _construct(env, spec, creator)
     try:
+        check_reset(env, first)
         check_sandbox(env.id, first)
         check_reset_deterministic(env, first)
+        check_step(env.id, first)
     finally:
         first.close()
 
@@ -300,6 +318,109 @@ def _construct(env: EnvConfig, spec: EnvSpec, creator: Callable[..., Any]) -> gy
 def _constructor_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """`env.kwargs` as the constructor sees them: without the format `make_env` applies."""
     return {k: v for k, v in kwargs.items() if k != TOOL_FORMAT_KWARG}
+
+
+# ---------------------------------------------------------------------------------------------
+# One reset and one turn
+
+
+def check_reset(env: EnvConfig, instance: gym.Env[Any, Any]) -> None:
+    """Reset `instance` once; PreflightError if that raises (an MCP server that cannot start,
+    named by its key) or returns anything but `(messages, info)`."""
+    try:
+        with warnings.catch_warnings(record=True) as warned:  # gymnasium's, shown if it is valid
+            warnings.simplefilter("always")
+            result = instance.reset(seed=CHECK_SEEDS[0])
+    except McpServerError as error:
+        where = "env.kwargs.mcp_server" if "mcp_server" in env.kwargs else f"env {env.id}"
+        raise PreflightError(f"{where}: {_one_line(str(error))}") from None
+    except Exception as error:
+        raise PreflightError(
+            f"env {env.id}: reset(seed={CHECK_SEEDS[0]}) raised {_raised(error)}"
+        ) from None
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise PreflightError(
+            f"env {env.id}: reset() must return (observation, info), got {_shown(result)}"
+        )
+    observation, info = result
+    problem = _messages_problem(observation)
+    if problem is not None:
+        raise PreflightError(
+            f"env {env.id}: reset()'s observation must be the prompt as a list of chat "
+            f"messages ({{'role': ..., 'content': ...}}); {problem}"
+        )
+    if not isinstance(info, dict):
+        raise PreflightError(f"env {env.id}: reset()'s info must be a dict, got {_shown(info)}")
+    for w in warned:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def check_step(env_id: str, instance: gym.Env[Any, Any]) -> None:
+    """One turn, `CHECK_ANSWER`, on `instance` just reset; PreflightError with the raising line
+    if the step (its verifier, for a text or tool env) raises, or its result is not a step's."""
+    try:
+        result = instance.step(CHECK_ANSWER)
+    except Exception as error:
+        raise PreflightError(
+            f"env {env_id}: the turn {CHECK_ANSWER!r} raised {_raised(error)}"
+        ) from None
+    if not (isinstance(result, tuple) and len(result) == 5):
+        raise PreflightError(
+            f"env {env_id}: step() must return (observation, reward, terminated, truncated, "
+            f"info), got {_shown(result)}"
+        )
+    observation, _, terminated, truncated, _ = result
+    problem = None if terminated or truncated else _messages_problem(observation, empty=True)
+    if problem is not None:
+        raise PreflightError(
+            f"env {env_id}: step()'s observation must be a list of chat messages; {problem}"
+        )
+
+
+def _messages_problem(observation: Any, empty: bool = False) -> str | None:
+    """Why `observation` is not a list of chat messages (an empty one only if `empty`)."""
+    if not isinstance(observation, list):
+        return f"got {_shown(observation)}"
+    if not observation and not empty:
+        return "got an empty list"
+    for i, message in enumerate(observation):
+        try:
+            Message.model_validate(message)
+        except ValueError as error:  # pydantic's ValidationError
+            first = error.errors()[0] if hasattr(error, "errors") else {"msg": str(error)}
+            at = ".".join(str(x) for x in first.get("loc", ()))
+            return f"message {i} {_shown(message)}: {at + ': ' if at else ''}{first['msg']}"
+    return None
+
+
+def _shown(value: Any, width: int = 80) -> str:
+    """`type: repr`, the repr cut to `width` characters."""
+    text = repr(value)
+    text = text if len(text) <= width else f"{text[: width - 3]}..."
+    return f"{type(value).__name__} {text}"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _raised(error: BaseException) -> str:
+    """`Type: message at file:line in function: source`, at the innermost frame of the user's
+    code: outside the standard library and installed packages, and outside agent_grpo where
+    any frame is (a user's verifier calling one of our helpers points at the user's call); the
+    innermost frame of all when the error is a library's (gymnasium's wrappers, say)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    paths = sysconfig.get_paths()
+    libraries = tuple({paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+    package = str(Path(__file__).resolve().parent)
+    ours = [f for f in frames if not f.filename.startswith(libraries) and f.filename != __file__]
+    theirs = [f for f in ours if not str(Path(f.filename).resolve()).startswith(package)]
+    message = _one_line(f"{type(error).__name__}: {error}")
+    if not frames:
+        return message
+    frame = (theirs or ours or frames)[-1]
+    source = f": {frame.line}" if frame.line else ""
+    return f"{message} (at {frame.filename}:{frame.lineno} in {frame.name}{source})"
 
 
 # ---------------------------------------------------------------------------------------------

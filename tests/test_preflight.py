@@ -51,6 +51,21 @@ class GlobalRandomEnv(CalculatorEnv):
     def generate_task(self, rng):
         a, b = random.randint(0, 10**6), random.randint(0, 10**6)
         return ArithmeticTask(expression=f"{a} + {b}", answer=a + b)
+
+
+class TextResetEnv(CalculatorEnv):
+    """Returns the question's text as its observation, not the chat messages."""
+
+    def reset(self, *, seed=None, options=None):
+        messages, info = super().reset(seed=seed, options=options)
+        return messages[-1]["content"], info
+
+
+class RaisingVerifierEnv(CalculatorEnv):
+    """A verifier with a bug: it raises on every answer."""
+
+    def verify(self, task, answer):
+        return {"ok": 1}["score"]
 '''
 
 
@@ -73,6 +88,51 @@ class PerInstanceEnv(CalculatorEnv):
     def generate_task(self, rng: np.random.Generator) -> ArithmeticTask:
         a = int(rng.integers(100)) + self.offset
         return ArithmeticTask(expression=f"{a} + 0", answer=a)
+
+
+class TextResetEnv(CalculatorEnv):
+    """Returns the question's text as its observation, not the chat messages."""
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        messages, info = super().reset(seed=seed, options=options)
+        return messages[-1]["content"], info
+
+
+class BareResetEnv(CalculatorEnv):
+    """Returns the messages without the info dict."""
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        return super().reset(seed=seed, options=options)[0]
+
+
+class RoleResetEnv(CalculatorEnv):
+    """A prompt message with a role chat templates do not know."""
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        messages, info = super().reset(seed=seed, options=options)
+        return [{"role": "narrator", "content": "hi"}, *messages], info
+
+
+class RaisingResetEnv(CalculatorEnv):
+    """A task generator with a bug."""
+
+    def generate_task(self, rng: np.random.Generator) -> ArithmeticTask:
+        return ArithmeticTask(expression="1 + 1", answer=int("two"))
+
+
+class RaisingVerifierEnv(CalculatorEnv):
+    """A verifier with a bug: it raises on every answer."""
+
+    def verify(self, task: ArithmeticTask, answer: str) -> Any:
+        return {"ok": 1}["score"]  # the line the error names
+
+
+class ShortStepEnv(CalculatorEnv):
+    """A step that returns gymnasium's old 4-tuple."""
+
+    def step(self, action: str) -> Any:
+        observation, reward, terminated, _, info = super().step(action)
+        return observation, reward, terminated, info
 
 
 class SwallowingEnv(CalculatorEnv):
@@ -132,6 +192,15 @@ MISTAKES = {
     "reset": (["env.id=preflight_envs:GlobalRandomEnv"], RESET),
     "steps": (["steps=-1"], "steps: Input should be greater than or equal to 0"),
     "group-size": (["rollout.group_size=1"], "rollout.group_size=1: GRPO's advantage is relative"),
+    "reset-type": (["env.id=preflight_envs:TextResetEnv"], "observation must be the prompt as a"),
+    "verifier": (
+        ["env.id=preflight_envs:RaisingVerifierEnv"],
+        "raised KeyError: 'score' (at {cwd}/preflight_envs.py:",
+    ),
+    "mcp-command": (
+        ["env.id=agent_grpo/Notes-v0", "env.kwargs={mcp_server: {command: [no-such-mcp-server]}}"],
+        "error: env.kwargs.mcp_server: could not start the MCP server: FileNotFoundError",
+    ),
 }
 
 
@@ -151,7 +220,7 @@ def test_each_config_mistake_is_one_line_and_makes_no_run_dir(
     assert done.returncode == 2, done.stderr
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
-    assert expected.replace("{checkpoint}", checkpoint) in lines[0]
+    assert expected.replace("{checkpoint}", checkpoint).replace("{cwd}", str(tmp_path)) in lines[0]
     assert "Traceback" not in done.stderr + done.stdout
     assert not runs.exists()
 
@@ -273,6 +342,54 @@ def test_a_nondeterministic_reset_stops_the_run_with_the_env_name(cls: str, wher
     assert message.startswith(f"env {here(cls)}: reset(seed=0) is not deterministic: {where}")
     assert "each member of a group would get a different task" in message
     assert " + " in message and "\n" not in message  # shows where the prompts differ
+
+
+# ---------------------------------------------------------------------------------------------
+# One reset and one turn
+
+
+@pytest.mark.parametrize(
+    ("cls", "message"),
+    [
+        ("TextResetEnv", "reset()'s observation must be the prompt as a list of chat messages "
+                         "({'role': ..., 'content': ...}); got str 'What is"),
+        ("BareResetEnv", "reset() must return (observation, info), got list [{'role': 'system'"),
+        ("RoleResetEnv", "list of chat messages ({'role': ..., 'content': ...}); message 0 "
+                         "dict {'role': 'narrator', 'content': 'hi'}: role: Input should be"),
+        ("RaisingResetEnv", "reset(seed=0) raised ValueError: invalid literal for int() with "
+                            "base 10: 'two' (at "),
+        ("ShortStepEnv", "the turn 'Answer: 0' raised ValueError: not enough values to unpack "
+                         "(expected 5, got 4) (at "),
+    ],
+)  # fmt: skip
+def test_a_reset_or_step_of_the_wrong_shape_is_one_line(cls: str, message: str) -> None:
+    with pytest.raises(PreflightError) as info:
+        check_env(EnvConfig(id=here(cls)))
+    assert str(info.value).startswith(f"env {here(cls)}: ") and "\n" not in str(info.value)
+    assert message in str(info.value)
+
+
+def test_a_raising_verifier_is_one_line_naming_its_line() -> None:
+    with pytest.raises(PreflightError) as info:
+        check_env(EnvConfig(id=here("RaisingVerifierEnv")))
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if "the line the error names" in text)  # fmt: skip
+    assert str(info.value) == (
+        f"env {here('RaisingVerifierEnv')}: the turn 'Answer: 0' raised KeyError: 'score' "
+        f'(at {__file__}:{line} in verify: return {{"ok": 1}}["score"]  # the line the '
+        "error names)"
+    )
+
+
+def test_an_mcp_server_that_cannot_start_is_one_line_naming_its_key() -> None:
+    pytest.importorskip("mcp")
+    kwargs = {"mcp_server": {"command": ["no-such-mcp-server", "--db", "x"]}}
+    with pytest.raises(PreflightError) as info:
+        check_env(EnvConfig(id="agent_grpo/Notes-v0", kwargs=kwargs))
+    assert str(info.value) == (
+        "env.kwargs.mcp_server: could not start the MCP server: FileNotFoundError: [Errno 2] "
+        "No such file or directory: 'no-such-mcp-server'"
+    )
 
 
 def test_same_observation_compares_nested_values() -> None:

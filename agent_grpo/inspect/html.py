@@ -274,7 +274,8 @@ def render_html(
         records, tokenizer, clip_eps, low_prob=low_prob, open_step=open_step, baselines=baselines
     )
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1"><title>{escape(title)}</title>
 <style>{PAGE_CSS}{_provenance_css()}</style></head>
 <body><h1>{escape(title)}</h1>
 <label>step <select id="step"></select></label> {_legend(low_prob)}

@@ -36,7 +36,7 @@ table.tools td, table.tools th { text-align: left; }
 table.tools td { font-family: ui-monospace, monospace; white-space: pre-wrap;
   word-break: break-word; }
 td.error { color: #c62828; }
-.legend span { margin-right: 1em; }
+.legend span { margin-right: 1em; display: inline-block; }  /* a narrow screen wraps them */
 .members { display: grid; gap: 1em; overflow-x: auto; }
 .traj { min-width: 0; }
 .verdict { padding: .3em .6em; border-left: 4px solid #9e9e9e; background: #fafafa; }
@@ -46,6 +46,12 @@ td.error { color: #c62828; }
 details.shared { display: inline; color: #757575; }
 details.shared summary { display: inline; cursor: pointer; font-style: italic; }
 #heat { display: inline-block; margin: .5em 0; }
+.tokens, .verdict { overflow-wrap: anywhere; }
+@media (max-width: 40em) {  /* a phone: the members of a group stack, each as wide as the screen */
+  body { margin: .5em; }
+  .members { grid-template-columns: minmax(0, 1fr) !important; }
+  table { display: block; overflow-x: auto; max-width: 100%; }
+}
 #tip { position: fixed; display: none; background: #263238; color: #fff; padding: .4em .6em;
   font: 12px ui-monospace, monospace; white-space: pre; pointer-events: none; z-index: 10; }
 """
@@ -247,6 +253,11 @@ function show() {
   const legend = HEAT_LEGENDS[mode] + (mode === 'advantage' ? ` (${fmt(advScale, 3)})` : '');
   document.getElementById('heat-legend').textContent = legend;
   const main = document.getElementById('main');
+  if (!(step in DATA.steps)) {
+    main.replaceChildren(el('h2', {}, `step ${step} is not in this page; it holds steps ` +
+      steps.join(', ')));
+    return;
+  }
   main.replaceChildren(el('h2', {}, `step ${step}: ${records.length} records`));
   if (records.length) main.append(groupTable(groups));
   for (const group of groups) main.append(groupView(group, mode, advScale));

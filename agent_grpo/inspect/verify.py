@@ -10,18 +10,20 @@ the first that applies:
 - duplicated: a later line of the same file with a uid already seen (the first copy is checked);
 - diverged: the environment, re-run from the seed with the recorded assistant texts, gives a
   different prompt, observation, termination or reward (`verify_record`);
+- not re-run: sound, but its environment cannot be built here (its module does not import, say):
+  said once per environment, not as a divergence of each record;
 - unverifiable: sound and reproducible, but written without a content hash (an older run), so a
   changed token id that keeps the invariants would pass unseen;
 - ok.
 
 Every group with a checked record must also be complete: one readable line for each sample
-0..group_size-1. The report ends with the counts; a corrupt, duplicated or diverged record, or an
-incomplete group, makes the exit status 1.
+0..group_size-1. The report ends with the counts; a corrupt, duplicated, diverged or not re-run
+record, or an incomplete group, makes the exit status 1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -53,11 +55,12 @@ class Outcome(StrEnum):
     CORRUPT = "corrupt"
     DUPLICATED = "duplicated"
     DIVERGED = "diverged"
+    NOT_RERUN = "not re-run"
     UNVERIFIABLE = "unverifiable"
     OK = "ok"
 
 
-FAILING = frozenset({Outcome.CORRUPT, Outcome.DUPLICATED, Outcome.DIVERGED})
+FAILING = frozenset({Outcome.CORRUPT, Outcome.DUPLICATED, Outcome.DIVERGED, Outcome.NOT_RERUN})
 """Outcomes that make `replay --verify` exit 1."""
 
 
@@ -88,6 +91,8 @@ class VerifyReport:
     """One per line checked, in file order."""
     incomplete: list[str] = field(default_factory=list)
     """One message per incomplete group."""
+    unbuildable: dict[str, str] = field(default_factory=dict)
+    """Each environment id of a checked record that cannot be built here: why."""
 
     def counts(self) -> dict[Outcome, int]:
         """How many lines got each outcome."""
@@ -95,18 +100,29 @@ class VerifyReport:
 
     @property
     def failed(self) -> bool:
-        """Whether any line is corrupt, duplicated or diverged, or any group is incomplete."""
+        """Whether any line is corrupt, duplicated, diverged or not re-run, or any group is
+        incomplete."""
         return bool(self.incomplete) or any(v.outcome in FAILING for v in self.verdicts)
 
     def summary(self) -> str:
         """The report's last line: the counts."""
         n = self.counts()
+        not_rerun = f", not re-run {n[Outcome.NOT_RERUN]}" if n[Outcome.NOT_RERUN] else ""
         return (
             f"verified {len(self.verdicts)} records: ok {n[Outcome.OK]}, "
             f"diverged {n[Outcome.DIVERGED]}, corrupt {n[Outcome.CORRUPT]}, "
-            f"duplicated {n[Outcome.DUPLICATED]}, unverifiable {n[Outcome.UNVERIFIABLE]}; "
-            f"incomplete groups {len(self.incomplete)}"
+            f"duplicated {n[Outcome.DUPLICATED]}, unverifiable {n[Outcome.UNVERIFIABLE]}"
+            f"{not_rerun}; incomplete groups {len(self.incomplete)}"
         )
+
+    def unbuildable_lines(self) -> list[str]:
+        """One line per environment that cannot be built, with its records' count."""
+        ids = [v.line.record.env_id for v in self.verdicts if v.line.record is not None]
+        return [
+            f"verify: cannot build environment {env_id} ({why}): its {ids.count(env_id)} "
+            "records were checked but not re-run"
+            for env_id, why in self.unbuildable.items()
+        ]
 
 
 def _short(digest: str | None) -> str:
@@ -142,15 +158,31 @@ def _rerun(record: TrajectoryRecord, make_env: EnvFactory) -> Divergence | None:
         return Divergence(None, "error", "the env to reset", f"{type(error).__name__}: {error}")
 
 
-def _verdict(line: StoredLine, tokenizer: Any, make_env: EnvFactory) -> Verdict:
+def _unbuildable(env_ids: Iterable[str], make_env: EnvFactory) -> dict[str, str]:
+    """Each of `env_ids` that `make_env` cannot build, with the error it raised."""
+    found = {}
+    for env_id in env_ids:
+        try:
+            make_env(env_id).close()
+        except Exception as error:  # an import, a constructor: the same for every record
+            found[env_id] = " ".join(f"{type(error).__name__}: {error}".split())
+    return found
+
+
+def _verdict(
+    line: StoredLine, tokenizer: Any, make_env: EnvFactory, unbuildable: Container[str] = ()
+) -> Verdict:
     if line.record is None:
         return Verdict(line, Outcome.CORRUPT, (line.problem or "unreadable",))
     problems = tuple(record_problems(line, tokenizer))
-    divergence = _rerun(line.record, make_env)
+    rerun = line.record.env_id not in unbuildable
+    divergence = _rerun(line.record, make_env) if rerun else None
     if problems:
         outcome = Outcome.CORRUPT
     elif divergence is not None:
         outcome = Outcome.DIVERGED
+    elif not rerun:
+        outcome = Outcome.NOT_RERUN
     elif line.hash_matches is None:
         outcome = Outcome.UNVERIFIABLE
         problems = ("no content hash (written before records carried one): token ids unchecked",)
@@ -204,6 +236,8 @@ def verify_lines(
     """Check every chosen line (and every unreadable one: its group is unknown) of `lines`."""
     copies = _first_copies(lines)
     report = VerifyReport()
+    env_ids = {line.record.env_id for line in lines if line.record is not None and chosen(line)}
+    report.unbuildable = _unbuildable(sorted(env_ids), make_env)
     groups = set()
     for line in lines:
         if line.record is not None and not chosen(line):
@@ -213,7 +247,7 @@ def verify_lines(
             problem = f"a second copy of the record at byte {first.offset}"
             report.verdicts.append(Verdict(line, Outcome.DUPLICATED, (problem,)))
             continue
-        report.verdicts.append(_verdict(line, tokenizer, make_env))
+        report.verdicts.append(_verdict(line, tokenizer, make_env, report.unbuildable))
         if line.record is not None:
             groups.add((line.file, line.record.group_id))
     report.incomplete = incomplete_groups(lines, groups)
@@ -226,6 +260,8 @@ def _verdict_lines(verdict: Verdict) -> list[str]:
         head = f"verify {verdict.where}: CORRUPT"
     elif verdict.outcome is Outcome.OK:
         return [f"verify {record.uid}: ok"]
+    elif verdict.outcome is Outcome.NOT_RERUN:
+        return []  # said once for its environment (`VerifyReport.unbuildable_lines`)
     elif verdict.outcome is Outcome.DIVERGED and found is not None:
         head = f"verify {record.uid}: DIVERGES at turn {found.turn} ({found.what})"
     else:
@@ -243,7 +279,7 @@ def print_report(console: Console, report: VerifyReport, run_lines: Sequence[str
     (`agent_grpo.inspect.verify_run`), then the counts."""
     lines = [text for v in report.verdicts for text in _verdict_lines(v)]
     incomplete = [f"verify {m}" for m in report.incomplete]
-    for text in [*lines, *incomplete, *run_lines, report.summary()]:
+    for text in [*lines, *report.unbuildable_lines(), *incomplete, *run_lines, report.summary()]:
         # No markup: recorded text is full of brackets that rich would read as style tags; and
         # its control characters are shown, not obeyed (agent_grpo.inspect.visible).
         console.print(visible(text), markup=False, highlight=False, soft_wrap=True)

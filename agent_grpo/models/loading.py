@@ -193,7 +193,8 @@ def check_model_source(name_or_path: str) -> None:
     """Fail with ModelNotFoundError or CorruptModelError, without loading a weight, if
     `name_or_path` cannot be loaded: `resolve_model_path`'s checks, then the files of a local
     directory (safetensors headers included), or a hub id with no cached copy while the hub is
-    offline (`HF_HUB_OFFLINE`), which transformers would report as a connection error."""
+    offline (`HF_HUB_OFFLINE`), unreachable, or without that model (`_probe_hub`), which
+    transformers would report as a connection error after a minute of retries."""
     source = resolve_model_path(name_or_path)
     if Path(source).is_dir() and (Path(source) / ADAPTER_CONFIG).is_file():
         _check_tokenizer_files(Path(source))  # a LoRA adapter: its base model must be there
@@ -213,13 +214,45 @@ def check_model_source(name_or_path: str) -> None:
         raise ModelNotFoundError(
             f"model {source!r} is not an embedded model, a local directory or a hub id: {error}"
         ) from None
-    if constants.HF_HUB_OFFLINE and not isinstance(
-        try_to_load_from_cache(source, "config.json"), str
-    ):
+    if isinstance(try_to_load_from_cache(source, "config.json"), str):
+        return
+    if constants.HF_HUB_OFFLINE:
         raise ModelNotFoundError(
             f"model {source!r} is not a local directory or an embedded model, and the Hugging "
             "Face hub is offline (HF_HUB_OFFLINE) with no cached copy of it"
         )
+    _probe_hub(source)
+
+
+HUB_PROBE_TIMEOUT_S = 10.0
+"""How long `check_model_source` waits for the hub to say whether an uncached model exists."""
+
+
+def _probe_hub(repo_id: str) -> None:
+    """ModelNotFoundError, after one request of at most `HUB_PROBE_TIMEOUT_S` and no retries,
+    if the hub does not know `repo_id` or cannot be reached: transformers would retry for a
+    minute and end in a traceback."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    endpoint = constants.ENDPOINT
+    try:
+        HfApi(endpoint=endpoint).model_info(repo_id, timeout=HUB_PROBE_TIMEOUT_S)
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not a local directory or an embedded model, and the Hugging "
+            f"Face hub ({endpoint}) has no model of that id (a private or gated one needs "
+            "`hf auth login` first)"
+        ) from None
+    except HfHubHTTPError:
+        return  # the hub answered (a revision, a rate limit, ...): loading will say what
+    except Exception as error:  # no network: a DNS failure, a refused connection, a timeout
+        reason = " ".join(f"{type(error).__name__}: {error}".split())
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not a local directory, an embedded model or in the hub cache, "
+            f"and the Hugging Face hub ({endpoint}) cannot be reached ({reason}); download it "
+            "where there is a network, or give a local directory"
+        ) from None
 
 
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:

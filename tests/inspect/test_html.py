@@ -506,3 +506,40 @@ def test_chromium_layout_side_by_side_folded_and_underlined(
     assert layout["open"] is False and layout["foldedShown"] is False  # folded: not drawn
     assert layout["decoration"] == "underline" and layout["decorationStyle"] == "wavy"
     assert heat[0] == "#step=1&heat=ratio" and heat[1] > 0
+
+
+def test_chromium_says_a_step_the_page_does_not_hold_is_not_there(
+    chromium: str, page: Path, tmp_path: Path
+) -> None:
+    dom = _dump_dom(chromium, page.as_uri() + "#step=7", tmp_path)
+    assert dom.find("h2").text == "step 7 is not in this page; it holds steps 0, 1"
+    assert dom.find_all("table", id="groups") == []
+
+
+PHONE = """(() => {
+  const width = document.documentElement.clientWidth;
+  const out = [...document.querySelectorAll('body *')]
+    .filter(e => !e.closest('#groups'))  // the group table scrolls inside itself
+    .filter(e => { const r = e.getBoundingClientRect(); return r.left < 0 || r.right > width; })
+    .map(e => `${e.tagName}.${e.className}`);
+  const cards = [...document.querySelectorAll('.group .traj')].map(e => e.getBoundingClientRect());
+  return {width, out, scroll: document.documentElement.scrollWidth,
+          stacked: cards.length === 2 && cards[1].top >= cards[0].bottom};
+})()"""
+
+
+def test_chromium_at_phone_width_every_card_fits_the_screen(
+    chromium: str, page: Path, tmp_path: Path
+) -> None:
+    """At 390 px (a phone), the members of a group stack, each as wide as the screen, and
+    nothing reaches past its right edge."""
+
+    async def look(call: Call, evaluate: Evaluate) -> Any:
+        await call("Emulation.setDeviceMetricsOverride", width=390, height=844,
+                   deviceScaleFactor=3, mobile=True)  # fmt: skip
+        await evaluate("new Promise(r => requestAnimationFrame(() => r(0)))")
+        return await evaluate(PHONE)
+
+    seen = _in_browser(chromium, page.as_uri() + "#step=1", tmp_path, look)
+    assert seen["width"] == 390
+    assert seen["out"] == [] and seen["scroll"] <= 390 and seen["stacked"], seen

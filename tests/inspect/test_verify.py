@@ -4,6 +4,7 @@ changed, line torn, line grown, record duplicated, record missing, hash absent."
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -267,3 +268,45 @@ def test_group_selects_what_is_checked(
     assert code == 0 and "verified 2 records: ok 2," in out and "s0-t0" not in out
     code, out = _verify(run, capsys, "--step", "0", "--group", "s0-t0", "--sample", "0")
     assert code == 1 and "verified 1 records: ok 0, diverged 0, corrupt 1," in out
+
+
+def test_an_environment_that_cannot_be_built_is_said_once_not_as_divergences(
+    tmp_path: Path,
+    tokenizer: Any,
+    embedded_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    wide: None,
+) -> None:
+    from agent_grpo.rollout.collector import Task, collect_groups
+    from agent_grpo.rollout.config import RolloutConfig
+
+    # The run's env lives in a module of the user's that this shell cannot import any more.
+    (tmp_path / "gone_envs.py").write_text(
+        "from agent_grpo.envs.calculator import CalculatorEnv\n\n\n"
+        "class MyCalculator(CalculatorEnv):\n    pass\n"
+    )
+    env_id = "gone_envs:MyCalculator"
+    with monkeypatch.context() as importable:
+        importable.syspath_prepend(str(tmp_path))
+        config = CollectOptions.from_config(RolloutConfig(group_size=2, max_context_tokens=600))
+        backend = ScriptedBackend(tokenizer, ["Answer: 3"], eos=False, logprob=-1.0)
+        tasks = [Task(env_id=env_id, seed=3), Task(env_id=env_id, seed=4)]
+        records = collect_groups(tasks, backend, tokenizer, config).records
+    monkeypatch.delitem(sys.modules, "gone_envs")
+    text = f"model: {{name_or_path: {embedded_model_dir}}}\nenv: {{id: {env_id}}}\n"
+    run = RunWriter.create(tmp_path / "runs", run_id="r", config_text=text)
+    run.write_trajectories(0, records)
+
+    code, out = _verify(run, capsys)
+    assert code == 1
+    assert "DIVERGES" not in out
+    lines = [line for line in out.splitlines() if "cannot build" in line]
+    assert lines == [
+        "verify: cannot build environment gone_envs:MyCalculator (ModuleNotFoundError: No module "
+        "named 'gone_envs'): its 4 records were checked but not re-run"
+    ]
+    assert out.strip().splitlines()[-1] == (
+        "verified 4 records: ok 0, diverged 0, corrupt 0, duplicated 0, unverifiable 0, "
+        "not re-run 4; incomplete groups 0"
+    )

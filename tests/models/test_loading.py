@@ -3,6 +3,10 @@ assembling embedded models: test_embedded.py)."""
 
 from __future__ import annotations
 
+import http.server
+import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,7 @@ from agent_grpo.models import loading as models
 from agent_grpo.models.loading import (
     CorruptModelError,
     ModelNotFoundError,
+    check_model_source,
     load_model,
     load_tokenizer,
     resolve_model_path,
@@ -234,3 +239,57 @@ def test_a_second_embedded_model_names_itself_in_the_fetch_hint(home: Path) -> N
     with pytest.raises(CorruptModelError, match="agent-grpo model fetch gemma3-270m --force"):
         load_model("gemma3-270m")
     assert model_dir.is_dir()
+
+
+@pytest.fixture
+def online(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hub not offline, with an empty cache: a hub id must be asked for."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+
+def _hub_at(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", url)
+
+
+def test_an_uncached_hub_id_without_network_is_one_line_at_once(
+    online: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as closed:  # a port nothing listens on: the connection is refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    _hub_at(monkeypatch, f"http://127.0.0.1:{port}")
+    started = time.monotonic()
+    with pytest.raises(ModelNotFoundError) as info:
+        check_model_source("HuggingFaceTB/nonexistent-model")
+    assert time.monotonic() - started < 5  # one request, not transformers' minute of retries
+    assert str(info.value).startswith(
+        "model 'HuggingFaceTB/nonexistent-model' is not a local directory, an embedded model or "
+        f"in the hub cache, and the Hugging Face hub (http://127.0.0.1:{port}) cannot be reached "
+        "(ConnectError: "
+    )
+    assert "\n" not in str(info.value)
+
+
+def test_a_hub_id_the_hub_does_not_know_is_one_line(
+    online: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        _hub_at(monkeypatch, f"http://127.0.0.1:{server.server_port}")
+        with pytest.raises(ModelNotFoundError, match=r"has no model of that id \(a private"):
+            check_model_source("HuggingFaceTB/nonexistent-model")
+    finally:
+        server.shutdown()
+        server.server_close()

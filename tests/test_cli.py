@@ -1,0 +1,61 @@
+"""The `agent-grpo` command line: its parser imports nothing heavy, and the lazily registered
+subcommands show the help of their own modules."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from agent_grpo import cli
+
+
+def _subcommand_help(parser: argparse.ArgumentParser) -> dict[str, str | None]:
+    """Each subcommand's help line, as `agent-grpo --help` lists it."""
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {choice.dest: choice.help for choice in action._choices_actions}
+
+
+@pytest.mark.slow
+def test_help_imports_no_torch_transformers_or_matplotlib() -> None:
+    script = (
+        "import sys\n"
+        "from agent_grpo import cli\n"
+        "try:\n"
+        "    cli.main(['--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = sorted({'torch', 'transformers', 'matplotlib', 'pandas'} & set(sys.modules))\n"
+        "assert not heavy, f'agent-grpo --help imported {heavy}'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "replay" in done.stdout and "conform" in done.stdout
+
+
+@pytest.mark.parametrize("command", sorted(cli.LAZY_COMMANDS))
+def test_a_lazy_subcommand_lists_the_help_its_module_gives(command: str) -> None:
+    light = _subcommand_help(cli.build_parser())
+    full = _subcommand_help(cli.build_parser(command))
+    assert light[command] == full[command]
+
+
+def test_a_lazy_subcommand_parses_in_full_when_asked_for() -> None:
+    args = cli.parse_args(cli.build_parser("replay"), ["replay", "run", "--step", "3"])
+    assert args.step == 3 and callable(args.func)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "c.yaml", "--resume", "steps=3", "seed=1"],
+        ["train", "c.yaml", "steps=3", "--resume", "seed=1"],
+        ["train", "--resume", "c.yaml", "steps=3", "seed=1"],
+        ["train", "c.yaml", "steps=3", "seed=1", "--resume"],
+    ],
+)
+def test_train_takes_overrides_on_either_side_of_resume(argv: list[str]) -> None:
+    args = cli.parse_args(cli.build_parser("train"), argv)
+    assert args.resume and args.config == "c.yaml" and args.overrides == ["steps=3", "seed=1"]
