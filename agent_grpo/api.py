@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agent_grpo.config.base import ConfigModel, apply_overrides, load_config, validate_config
 from agent_grpo.run_dir.reader import Run, load_run
+
+if TYPE_CHECKING:
+    from agent_grpo.trainer.trackers import StepCallback
 
 __all__ = ["ConfigLike", "as_config", "evaluate", "load_run", "train"]
 
@@ -41,15 +44,22 @@ def train(
     overrides: Sequence[str] = (),
     resume: bool = False,
     accept_config_change: bool = False,
+    callbacks: Sequence[StepCallback] = (),
 ) -> Run:
     """Train as `agent-grpo train` does (base eval, warm start, GRPO, final eval); returns the
     run. `resume` continues the run named by `run.name` from its last checkpoint, refusing a
-    changed config unless `accept_config_change` (then recorded in the run directory)."""
+    changed config unless `accept_config_change` (then recorded in the run directory). Each of
+    `callbacks` is called as `callback(step, metrics)` with every GRPO step's `StepMetrics`
+    once the step is written (docs/tracking.md)."""
     from agent_grpo.config.jobs import TrainConfig
     from agent_grpo.trainer.loop import train as train_job
 
     config = as_config(TrainConfig, config, overrides)
-    return Run(train_job(config, resume=resume, accept_config_change=accept_config_change))
+    return Run(
+        train_job(
+            config, resume=resume, accept_config_change=accept_config_change, callbacks=callbacks
+        )
+    )
 
 
 def evaluate(config: ConfigLike, *, overrides: Sequence[str] = ()) -> Run:

@@ -72,7 +72,11 @@ def test_train_is_the_api_function(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     seen: list[TrainConfig] = []
 
     def fake_loop(
-        config: TrainConfig, *, resume: bool = False, accept_config_change: bool = False
+        config: TrainConfig,
+        *,
+        resume: bool = False,
+        accept_config_change: bool = False,
+        callbacks: object = (),
     ) -> Path:
         seen.append(config)
         return RunWriter.create(tmp_path, "fake").path

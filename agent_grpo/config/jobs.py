@@ -6,7 +6,7 @@ the generation backend (`hf`, `vllm`, `openai`) and each extra reward source.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Self, get_args
 
 from pydantic import Field, field_validator, model_validator
 
@@ -22,6 +22,7 @@ from agent_grpo.rollout.config import (
 )
 
 __all__ = [
+    "TRACKERS",
     "AlgoConfig",
     "BackendConfig",
     "DistributedConfig",
@@ -35,6 +36,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "SpeedConfig",
+    "TrackerName",
     "TrainConfig",
     "VLLMBackendConfig",
     "WarmStartConfig",
@@ -134,6 +136,11 @@ class DistributedConfig(ConfigModel):
     """How long a rank waits in a collective (e.g. for rank 0's rollouts and evaluations)."""
 
 
+TrackerName = Literal["tensorboard", "wandb", "trackio", "mlflow"]
+"""A tracker `run.report_to` can name (agent_grpo/trainer/trackers.py)."""
+TRACKERS: tuple[str, ...] = get_args(TrackerName)
+
+
 class RunConfig(ConfigModel):
     """Where outputs go."""
 
@@ -152,8 +159,23 @@ class RunConfig(ConfigModel):
     state: about 1.6 GB for the 135M demo model)."""
     log_trajectories: bool = True
     """Write every trajectory record to the run directory."""
-    tensorboard: bool = True
-    """Also write each step's metrics as TensorBoard scalars under `{run}/tensorboard`."""
+    report_to: list[TrackerName] = ["tensorboard"]
+    """Trackers each step's metrics also go to, under grouped names (`reward/*`, `loss/*`,
+    `timing/*`, ...), each writing under the run directory and offline (docs/tracking.md):
+    `tensorboard` (`{run}/tensorboard`), `wandb` (offline, `{run}/wandb`), `trackio` (its local
+    database), `mlflow` (`{run}/mlflow.db`). Each but TensorBoard is an extra:
+    `pip install 'agent-grpo[wandb]'`. `[]`: metrics.jsonl alone."""
+    tensorboard: bool | None = None
+    """Older spelling, kept for existing configs: when `report_to` is not set, `false` means
+    `report_to: []`; when it is set, `report_to` alone decides."""
+
+    @model_validator(mode="after")
+    def _fold_tensorboard(self) -> Self:
+        if self.tensorboard is False and "report_to" not in self.model_fields_set:
+            self.report_to = []
+        if len(set(self.report_to)) != len(self.report_to):
+            raise ValueError(f"run.report_to names a tracker twice: {self.report_to}")
+        return self
 
 
 MOVED_TO_SPEED = "it moved to algo.speed (the switches that never change the result)"
@@ -229,6 +251,10 @@ class TrainConfig(ConfigModel):
     @model_validator(mode="after")
     def _engine_fits_episodes(self) -> TrainConfig:
         _check_engine_length(self.rollout.backend, self.rollout.max_context_tokens, "rollout.")
+        context = self.rollout.max_context_tokens
+        _check_turn_fits(self.rollout.sampling.max_tokens, "rollout.sampling.", context, "rollout.")
+        if self.eval is not None:
+            _check_turn_fits(self.eval.max_tokens, "eval.", context, "rollout.")
         return self
 
     @model_validator(mode="after")
@@ -274,6 +300,18 @@ def _check_engine_length(backend: BackendConfig, longest: int, prefix: str) -> N
         )
 
 
+def _check_turn_fits(max_tokens: int, tokens_prefix: str, context: int, prefix: str) -> None:
+    """A turn of `max_tokens` must leave room in the context for at least a one-token prompt:
+    longer, every turn would be cut to whatever room is left, and `max_tokens` would mean
+    nothing."""
+    if max_tokens >= context:
+        raise ValueError(
+            f"{tokens_prefix}max_tokens={max_tokens} is not less than "
+            f"{prefix}max_context_tokens={context}: a turn that long leaves no room for the "
+            f"prompt; lower {tokens_prefix}max_tokens or raise {prefix}max_context_tokens"
+        )
+
+
 class EvalRunConfig(ConfigModel):
     """`agent-grpo eval`: evaluate a model on an environment's held-out seeds."""
 
@@ -295,4 +333,5 @@ class EvalRunConfig(ConfigModel):
     @model_validator(mode="after")
     def _engine_fits_episodes(self) -> EvalRunConfig:
         _check_engine_length(self.backend, self.max_context_tokens, "")
+        _check_turn_fits(self.eval.max_tokens, "eval.", self.max_context_tokens, "")
         return self

@@ -15,6 +15,7 @@ from agent_grpo.rollout.context import ContextPolicy, StopAtLimit
 
 __all__ = [
     "BackendConfig",
+    "CanaryConfig",
     "HFBackendConfig",
     "LocalWorkers",
     "OpenAIBackendConfig",
@@ -111,6 +112,22 @@ class RayWorkers(ConfigModel):
 WorkersConfig = Annotated[LocalWorkers | RayWorkers, Field(discriminator="type")]
 
 
+class CanaryConfig(ConfigModel):
+    """The weight canary: after a push, every engine scores a few fixed sequences and the
+    trainer compares those logprobs with its own (agent_grpo/trainer/canary.py). An engine
+    that still holds older weights, or whose logprobs sit further than `max_gap` from the
+    trainer's, stops the run with one line naming it."""
+
+    every: int = Field(default=1, ge=1)
+    """Check after every this many pushes."""
+    sequences: int = Field(default=2, ge=1)
+    """How many of the first step's trajectories make the canary (each scored whole)."""
+    max_gap: float = Field(default=0.1, gt=0.0)
+    """Largest mean |engine - trainer| logprob over the canary's model tokens, in nats: far
+    above kernel and dtype differences (docs/scaling.md), far below what a missed push of a
+    trained policy leaves."""
+
+
 class RolloutConfig(ConfigModel):
     """How groups are sampled each step."""
 
@@ -136,6 +153,9 @@ class RolloutConfig(ConfigModel):
     branch more per episode. The cheap invariants run on every record regardless."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings for training rollouts."""
+    canary: CanaryConfig | None = None
+    """Check after weight pushes that every engine holds the pushed weights (`CanaryConfig`;
+    `{}` checks every push); None: no check."""
     stop_on_env_error: bool = False
     """Stop at the first env step or verifier that raises or hangs (after its one retry), with
     the env, the seed and the model's action, instead of recording the episode as an error."""

@@ -132,6 +132,13 @@ class RolloutWorker:
         self.backend.update_weights(self.model)
         self.version = version
 
+    def score(
+        self, sequences: list[list[int]], targets: list[list[bool]]
+    ) -> tuple[int, list[list[float]]]:
+        """The version this worker holds and its backend's logprobs of `sequences` at
+        temperature 1 (the weight canary)."""
+        return self.version, self.backend.score(sequences, targets, 1.0)
+
     def ping(self) -> bool:
         """Alive (for tests and health checks)."""
         return True
@@ -274,6 +281,13 @@ class RayRolloutPool:
         shared = self._ray.put(cpu)
         for worker in self.workers:
             worker.update_weights.remote(shared, version)
+
+    def score(
+        self, sequences: list[list[int]], targets: list[list[bool]]
+    ) -> list[tuple[int, list[list[float]]]]:
+        """Each worker's (version, logprobs) of the canary, in worker order; each call runs
+        after that actor's queued collections and weight loads."""
+        return self._ray.get([w.score.remote(sequences, targets) for w in self.workers])
 
     def close(self) -> None:
         """Release every worker's backend and end the actors."""

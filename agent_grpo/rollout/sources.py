@@ -23,6 +23,7 @@ many gets); on a GPU cluster a NCCL broadcast group does this instead (docs/scal
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -35,9 +36,28 @@ from agent_grpo.rollout.collector import RolloutResult
 from agent_grpo.rollout.config import RayWorkers
 from agent_grpo.rollout.step import collect, collector_config, score, step_tasks
 
-__all__ = ["LocalRollouts", "RayRollouts", "RolloutSource", "build_rollouts", "staleness"]
+__all__ = [
+    "EngineScore",
+    "LocalRollouts",
+    "RayRollouts",
+    "RolloutSource",
+    "build_rollouts",
+    "staleness",
+]
 
 log = get_logger("train")
+
+
+@dataclass(frozen=True)
+class EngineScore:
+    """What one engine made of the weight canary (agent_grpo/trainer/canary.py)."""
+
+    engine: str
+    """Its name in errors (`the trainer's engine`, `rollout worker 2`)."""
+    version: int | None
+    """The policy version it says it holds; None when it does not track one."""
+    logprobs: list[list[float]]
+    """Per sequence, per token: the token's logprob given the ones before (0 off targets)."""
 
 
 class RolloutSource(Protocol):
@@ -49,6 +69,12 @@ class RolloutSource(Protocol):
 
     def push(self, model: torch.nn.Module, version: int) -> None:
         """The weights of policy `version`, to every engine that samples."""
+        ...
+
+    def score_canary(
+        self, sequences: list[list[int]], targets: list[list[bool]]
+    ) -> list[EngineScore]:
+        """Every engine's logprobs of the canary at temperature 1, after the pushes so far."""
         ...
 
     def close(self) -> None:
@@ -86,6 +112,13 @@ class LocalRollouts:
 
     def push(self, model: torch.nn.Module, version: int) -> None:
         """Nothing here: `trainer.push_weights` already updated the trainer's own engine."""
+
+    def score_canary(
+        self, sequences: list[list[int]], targets: list[list[bool]]
+    ) -> list[EngineScore]:
+        """The trainer's engine, which tracks no version."""
+        logprobs = self.backend.score(sequences, targets, 1.0)
+        return [EngineScore("the trainer's engine", None, logprobs)]
 
     def close(self) -> None:
         """The engine is the trainer's to close."""
@@ -158,6 +191,14 @@ class RayRollouts:
     def push(self, model: torch.nn.Module, version: int) -> None:
         """One object-store copy of the weights, loaded by every actor after its queued work."""
         self.pool.update_weights(model.state_dict(), version)
+
+    def score_canary(
+        self, sequences: list[list[int]], targets: list[list[bool]]
+    ) -> list[EngineScore]:
+        """Every actor's score, each queued behind its submitted collections and the push (so
+        this waits for them)."""
+        scores = self.pool.score(sequences, targets)
+        return [EngineScore(f"rollout worker {i}", v, lp) for i, (v, lp) in enumerate(scores)]
 
     def close(self) -> None:
         """End the actors (and the local Ray instance this started)."""

@@ -54,6 +54,12 @@ class ScriptedBackend:
     def update_weights(self, model: torch.nn.Module) -> None:
         """Nothing to update."""
 
+    def score(
+        self, sequences: list[list[int]], targets: list[list[bool]], temperature: float
+    ) -> list[list[float]]:
+        """The scripted logprob on every target: a script holds no weights to check."""
+        return [[self.logprob if t else 0.0 for t in row] for row in targets]
+
     def free_caches(self) -> None:
         """Nothing cached."""
 

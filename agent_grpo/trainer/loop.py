@@ -50,8 +50,9 @@ from agent_grpo.trainer.parallel import broadcast_object
 from agent_grpo.trainer.progress import RunProgress
 from agent_grpo.trainer.resume import check_resume, record_changes
 from agent_grpo.trainer.setup import RunStart, resolve_max_tokens, set_up, start_distributed
-from agent_grpo.trainer.step_log import DeadStepWatch, open_tensorboard, record_step
-from agent_grpo.trainer.trainer import Trainer, push_weights, share_rollout
+from agent_grpo.trainer.step_log import DeadStepWatch, record_step
+from agent_grpo.trainer.trackers import StepCallback, check_trackers, open_trackers
+from agent_grpo.trainer.trainer import Trainer, push_weights, share_rollout, verify_push
 from agent_grpo.trainer.update import batch_logprobs, grpo_update
 from agent_grpo.trajectory.record import TrajectoryRecord
 
@@ -107,16 +108,18 @@ def train_step(
     # 5. the engines get the new weights: policy version step + 1
     push_weights(trainer, step + 1)
     push_s = clock.lap()
+    canary = verify_push(trainer, config.rollout.canary, records, step + 1)  # did they arrive?
+    canary_s = clock.lap()
     # 6. what the step did
     _annotate(records, trainer_pi_old, pi_ref, batch)
     times = StepTimes(
         rollout_wait=waited, old_logprobs=old_s, reference=ref_s, update=update_s,
-        weight_push=push_s, step=clock.total(),
+        weight_push=push_s, canary=canary_s, step=clock.total(),
     )  # fmt: skip
     mismatch = logprob_mismatch(trainer_pi_old, batch.sampler_logprobs, batch.loss_mask)
     metrics = step_metrics(
         step, records, advantages.tolist(), rollout, update, mismatch, times,
-        staleness(rollout, step),
+        staleness(rollout, step), None if canary is None else canary.mean,
     )  # fmt: skip
     return metrics, records
 
@@ -168,15 +171,23 @@ def checkpoint_due(config: TrainConfig, done: int, saved_at: float) -> bool:
     return done == config.steps or by_steps or by_time
 
 
-def train(config: TrainConfig, *, resume: bool = False, accept_config_change: bool = False) -> Path:
+def train(
+    config: TrainConfig,
+    *,
+    resume: bool = False,
+    accept_config_change: bool = False,
+    callbacks: Sequence[StepCallback] = (),
+) -> Path:
     """Run the whole job described by `config`; returns the run directory. `resume` continues
     the run `run.name` from its newest checkpoint, with the config it started with unless
-    `accept_config_change` (trainer/resume.py).
+    `accept_config_change` (trainer/resume.py). Each of `callbacks` gets every step's metrics
+    once they are written (trainer/trackers.py).
 
     Under torchrun every rank runs this: rank 0 alone samples, evaluates and writes the run
     directory, and every rank takes part in each update.
     """
     preflight_train(config)  # a config mistake is one line here, before any model or run dir
+    check_trackers(config)
     if accept_config_change and not resume:
         raise ConfigError("accept_config_change (--accept-config-change) needs --resume")
     changes = check_resume(config, accept_config_change=accept_config_change) if resume else []
@@ -189,7 +200,7 @@ def train(config: TrainConfig, *, resume: bool = False, accept_config_change: bo
         start = set_up(config, resume, ctx, progress)
         if start.run is not None:
             record_changes(start.run.path, start.state.step, changes)
-        _loop(config, start, max_tokens, progress)
+        _loop(config, start, max_tokens, progress, callbacks)
         _finish(config, start, progress)
     # Rank 0's directory on every rank: it may have taken a fresh name (`setup.open_run`).
     path = broadcast_object(start.run.path if start.run is not None else None, ctx)
@@ -200,16 +211,23 @@ def train(config: TrainConfig, *, resume: bool = False, accept_config_change: bo
     return path
 
 
-def _loop(config: TrainConfig, start: RunStart, max_tokens: int, progress: RunProgress) -> None:
+def _loop(
+    config: TrainConfig,
+    start: RunStart,
+    max_tokens: int,
+    progress: RunProgress,
+    callbacks: Sequence[StepCallback] = (),
+) -> None:
     """The GRPO steps from `start.state.step` on: step, write it down, checkpoint when due."""
     run, trainer, state = start.run, start.trainer, start.state
-    tensorboard = open_tensorboard(run, config) if run is not None else None
+    path = run.path if run is not None else None
+    trackers = open_trackers(path, config, callbacks, resumed=state.step > 0)
     saved_at, watch = time.monotonic(), DeadStepWatch()
     progress.start_at(state.step)
     for step in range(state.step, config.steps):
         metrics, records = train_step(config, trainer, step, max_tokens, progress)
         if run is not None:
-            record_step(run, config, metrics, records, tensorboard)
+            record_step(run, config, metrics, records, trackers)
             watch.see(metrics)
         crash_point("after_step", step)  # crash tests: recorded, not checkpointed
         state.step = step + 1
@@ -218,6 +236,7 @@ def _loop(config: TrainConfig, start: RunStart, max_tokens: int, progress: RunPr
             progress.phase(f"checkpoint after step {step}")
             save(run, trainer, state, config.run.keep_checkpoints)
             saved_at = time.monotonic()
+    trackers.close()
 
 
 def _finish(config: TrainConfig, start: RunStart, progress: RunProgress) -> None:

@@ -328,7 +328,12 @@ class StepMetrics(BaseModel):
     update_time_s: float = 0.0
     """Seconds of the optimizer steps (forward, backward, optimizer)."""
     weight_push_time_s: float = 0.0
-    """Seconds to give the engines the new weights."""
+    """Seconds to give the engines the new weights (the canary's check not included)."""
+    canary_time_s: float = 0.0
+    """Seconds of the weight canary's check after the push (0 when it did not run)."""
+    canary_gap: float | None = None
+    """The worst engine's mean |engine - trainer| logprob over the canary's model tokens after
+    the push (`rollout.canary`); None when it did not run."""
     reward_means: dict[str, float]
     """Mean of each reward component before weighting (`verifier`, then each extra source by
     name) over the counted episodes; written as `rewards/<name>/mean`, as TRL logs them."""
@@ -379,6 +384,8 @@ class StepTimes:
     """The optimizer steps."""
     weight_push: float
     """Giving the engines the new weights."""
+    canary: float
+    """Checking with the canary that they arrived (0 when it did not run)."""
     step: float
     """The whole step."""
 
@@ -392,6 +399,7 @@ def step_metrics(
     mismatch: LogprobMismatch,
     times: StepTimes,
     staleness: dict[int, int],
+    canary_gap: float | None = None,
 ) -> StepMetrics:
     """The step's `metrics.jsonl` row from what the step produced."""
     return StepMetrics(
@@ -412,6 +420,8 @@ def step_metrics(
         reference_time_s=times.reference,
         update_time_s=times.update,
         weight_push_time_s=times.weight_push,
+        canary_time_s=times.canary,
+        canary_gap=canary_gap,
         reward_means=reward_means(records),
         staleness=staleness,
         stale_dropped=rollout.metrics.stale_dropped,

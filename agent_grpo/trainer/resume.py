@@ -8,8 +8,8 @@ error naming the keys, unless the user accepts the change (`--accept-config-chan
 `config-changes.jsonl` (the step it took effect at, each key's old and new value); `config.yaml`
 stays the config the run started with.
 
-A few keys only say how long or how often, and change freely: `steps` (train further) and the
-checkpoint cadence.
+A few keys only say how long or how often, and change freely: `steps` (train further), the
+checkpoint cadence and the trackers the run reports to.
 """
 
 from __future__ import annotations
@@ -29,9 +29,17 @@ from agent_grpo.config.jobs import TrainConfig
 __all__ = ["FREE_KEYS", "ConfigChange", "check_resume", "config_changes", "record_changes"]
 
 FREE_KEYS = frozenset(
-    {"steps", "run.checkpoint_every", "run.checkpoint_every_s", "run.keep_checkpoints"}
+    {
+        "steps",
+        "run.checkpoint_every",
+        "run.checkpoint_every_s",
+        "run.keep_checkpoints",
+        "run.report_to",
+        "run.tensorboard",
+    }
 )
-"""Keys a resume may change without being asked: how long the run goes, how often it saves."""
+"""Keys a resume may change without being asked: how long the run goes, how often it saves,
+which trackers it reports to (a run from before `run.report_to` resumes unasked)."""
 
 CHANGES_FILE = "config-changes.jsonl"
 """Where accepted changes are recorded, in the run directory."""

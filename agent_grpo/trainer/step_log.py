@@ -1,28 +1,19 @@
-"""Writing a step down: its metrics (JSONL, TensorBoard) and trajectories, and the step line."""
+"""Writing a step down: its metrics (JSONL, the trackers, callbacks) and trajectories, and the
+step line."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.faults import crash_point
 from agent_grpo.logs import get_logger
 from agent_grpo.run_dir.writer import RunWriter
 from agent_grpo.trainer.metrics import StepMetrics
+from agent_grpo.trainer.trackers import Trackers, open_trackers
 from agent_grpo.trajectory.record import TrajectoryRecord
 
-__all__ = ["DeadStepWatch", "open_tensorboard", "record_step", "step_flags"]
+__all__ = ["DeadStepWatch", "open_trackers", "record_step", "step_flags"]
 
 log = get_logger("train")
-
-
-def open_tensorboard(run: RunWriter, config: TrainConfig) -> Any:
-    """A TensorBoard writer under `{run}/tensorboard`, or None when turned off."""
-    if not config.run.tensorboard:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(str(run.path / "tensorboard"))
 
 
 def record_step(
@@ -30,19 +21,16 @@ def record_step(
     config: TrainConfig,
     metrics: StepMetrics,
     records: list[TrajectoryRecord],
-    tensorboard: Any = None,
+    trackers: Trackers | None = None,
 ) -> None:
-    """Write a step's trajectories, then its metrics (JSONL, TensorBoard); log the step line."""
+    """Write a step's trajectories, then its metrics (JSONL, then the trackers and callbacks);
+    log the step line."""
     if config.run.log_trajectories:
         run.write_trajectories(metrics.step, records)
     crash_point("metrics", metrics.step)  # crash tests: the step's records without its metrics
-    row = metrics.row()
-    run.write_metrics(metrics.step, row)
-    if tensorboard is not None:
-        for key, value in row.items():
-            if value is not None:
-                tensorboard.add_scalar(key, value, metrics.step)
-        tensorboard.flush()
+    run.write_metrics(metrics.step, metrics.row())
+    if trackers is not None:
+        trackers.log(metrics)
     u = metrics.update
     flags = step_flags(metrics)
     log.info("step %d: reward %.3f success %.3f kl %.4f clip %.3f tok/s %.0f (%.0fs)%s",

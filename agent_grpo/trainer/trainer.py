@@ -1,11 +1,13 @@
-"""What a training run holds (models, engine, reference, optimizer), and the two things a step
-does with it besides the math: share rank 0's rollout with every rank, and push the new weights to
-the engines. How a run is built is in `setup.py`; parallelism enters only through `DistContext`
-and the `wrap_*` functions, so the same `Trainer` serves one process and every rank of torchrun.
+"""What a training run holds (models, engine, reference, optimizer), and the three things a step
+does with it besides the math: share rank 0's rollout with every rank, push the new weights to
+the engines, and check with the weight canary that they arrived. How a run is built is in
+`setup.py`; parallelism enters only through `DistContext` and the `wrap_*` functions, so the
+same `Trainer` serves one process and every rank of torchrun.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,12 +15,21 @@ import torch
 
 from agent_grpo.rollout.backends.base import GenerationBackend
 from agent_grpo.rollout.collector import RolloutResult
+from agent_grpo.rollout.config import CanaryConfig
 from agent_grpo.rollout.sources import RolloutSource
 from agent_grpo.trainer.backward_steps import BackwardSteps
+from agent_grpo.trainer.canary import (
+    Canary,
+    CanaryGap,
+    canary_from_records,
+    check_engines,
+    trainer_scores,
+)
 from agent_grpo.trainer.lora import merged_copy
 from agent_grpo.trainer.parallel import DistContext, WrapMode, broadcast_object, full_state_dict
+from agent_grpo.trajectory.record import TrajectoryRecord
 
-__all__ = ["Trainer", "engine_copy", "push_weights", "share_rollout"]
+__all__ = ["Trainer", "engine_copy", "push_weights", "share_rollout", "verify_push"]
 
 
 @dataclass
@@ -48,6 +59,8 @@ class Trainer:
     """Where training rollouts come from (the engine above, or Ray workers); rank 0 only."""
     in_backward: BackwardSteps | None = None
     """With `algo.speed.optimizer_in_backward`, the hooks that step `optimizer` inside backward."""
+    canary: Canary | None = None
+    """The weight canary (`rollout.canary`), made from the first step's records; rank 0 only."""
 
 
 def engine_copy(model: torch.nn.Module, backend: GenerationBackend) -> torch.nn.Module:
@@ -76,3 +89,24 @@ def push_weights(trainer: Trainer, version: int) -> None:
         trainer.backend.update_weights(engine_copy(trainer.sampler, trainer.backend))
     if trainer.rollouts is not None and trainer.sampler is not None:
         trainer.rollouts.push(trainer.sampler, version)
+
+
+def verify_push(
+    trainer: Trainer,
+    config: CanaryConfig | None,
+    records: Sequence[TrajectoryRecord],
+    version: int,
+) -> CanaryGap | None:
+    """After the push of `version`, every `config.every` pushes: each engine scores the canary
+    and the trainer its own weights' logprobs of it (agent_grpo/trainer/canary.py); an engine
+    without the pushed weights raises `CanaryError`. Rank 0 only; None when it did not run."""
+    if config is None or trainer.rollouts is None or trainer.sampler is None:
+        return None
+    if version % config.every != 0:
+        return None
+    if trainer.canary is None:
+        trainer.canary = canary_from_records(records, config.sequences)
+    canary = trainer.canary
+    scores = trainer.rollouts.score_canary(canary.sequences, canary.targets)
+    return check_engines(scores, canary, trainer_scores(trainer.sampler, canary), version,
+                         config.max_gap)  # fmt: skip

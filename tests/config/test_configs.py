@@ -68,6 +68,9 @@ def test_training_on_a_remote_server_is_refused(tmp_path: Path) -> None:
     ("overrides", "message"),
     [
         (["algo.old_logprobs=sampler", "algo.tis_cap=2.0"], "weights would all be 1"),
+        (["algo.mask.low=0.6", "algo.tis_cap=2.0"], "algo.mask and algo.tis_cap"),
+        (["algo.dual_clip=1.0"], "algo.dual_clip"),
+        (["algo.ratio=seq"], "algo.ratio"),
         (["algo.max_tokens=100"], "would be ignored"),
         (["rollout.group_size=1"], "group of one never learns"),
         (["steps=-1"], "steps"),
@@ -84,3 +87,19 @@ def test_training_on_a_remote_server_is_refused(tmp_path: Path) -> None:
 def test_meaningless_settings_are_refused_before_any_model_work(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(TrainConfig, TINY, overrides)
+
+
+@pytest.mark.parametrize(
+    "override", ["rollout.sampling.max_tokens=600", "rollout.sampling.max_tokens=512",
+                 "eval.max_tokens=900"],
+)  # fmt: skip
+def test_a_turn_that_fills_the_context_is_refused(override: str) -> None:
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"{override} is not less than .*context_tokens=512"):
+        load_config(TrainConfig, TINY, [override])
+    assert load_config(TrainConfig, TINY, [f"{key}=511"])  # a one-token prompt fits
+
+
+def test_an_eval_turn_that_fills_the_context_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"eval.max_tokens=512 is not less than max_context"):
+        EvalRunConfig.model_validate({"max_context_tokens": 512, "eval": {"max_tokens": 512}})

@@ -27,6 +27,8 @@ from agent_grpo.rollout.collector import CollectOptions, PromptTooLongError, Tas
 from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.run_dir.writer import RunWriter
 from agent_grpo.testing.backends import ScriptedBackend
+from agent_grpo.testing.records import minimal_record
+from agent_grpo.testing.tool_formats import nested
 from agent_grpo.tools.formats import (
     MAX_JSON_DEPTH,
     ParsedToolCall,
@@ -53,10 +55,6 @@ def call(body: str) -> str:
     return f"<tool_call>{body}</tool_call>"
 
 
-def nested(depth: int, open_: str = "[", close: str = "]") -> str:
-    return open_ * depth + close * depth
-
-
 any_char = st.characters(codec=None, exclude_categories=())
 
 
@@ -81,13 +79,10 @@ def record_with_text(text: str, key: str) -> TrajectoryRecord:
     call_record = ToolCallRecord(
         name=text, arguments={key: [text, {key: text}]}, raw=text, result=text, error=text
     )
-    return TrajectoryRecord(
-        group_id="g",
+    return minimal_record(
+        "g",
         task_id="t:0",
-        index_in_group=0,
-        group_size=1,
         env_id="t",
-        seed=0,
         messages=[
             Message(role="user", content=text),
             Message(role="assistant", content=text),
@@ -255,13 +250,10 @@ def test_decoded_model_text_is_repaired_and_the_invariants_hold(tokenizer) -> No
     ids = [*tokenizer.encode("hello", add_special_tokens=False), tokenizer.eos_token_id]
     span = builder.add_model_turn(ids, [-0.1] * len(ids))
     assert span.model_text == "hello\ufffd" == builder.messages[-1].content
-    record = TrajectoryRecord(
-        group_id="g",
+    record = minimal_record(
+        "g",
         task_id="t:0",
-        index_in_group=0,
-        group_size=1,
         env_id="t",
-        seed=0,
         messages=builder.messages,
         prompt_messages_count=1,
         token_ids=builder.token_ids,

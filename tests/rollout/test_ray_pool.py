@@ -184,10 +184,11 @@ def test_synchronous_ray_training_is_the_local_run(
     from agent_grpo.run_dir.writer import RunWriter
     from agent_grpo.testing.cli_runs import deterministic
 
-    local = train_tiny(tmp_path, tiny_model_dir, "local")
-    remote = train_tiny(
-        tmp_path, tiny_model_dir, "ray", "rollout.workers={type: ray, num_workers: 2}"
-    )
+    # With the weight canary on: every push is checked on both actors (their version and their
+    # logprobs, which are the trainer's to fp32 rounding), and on the local engine.
+    local = train_tiny(tmp_path, tiny_model_dir, "local", "rollout.canary={}")
+    remote = train_tiny(tmp_path, tiny_model_dir, "ray", "rollout.canary={}",
+                        "rollout.workers={type: ray, num_workers: 2}")  # fmt: skip
     for run in (local, remote):
         assert RunWriter.open(run).steps() == [0, 1]
     for step in (0, 1):
@@ -203,6 +204,7 @@ def test_synchronous_ray_training_is_the_local_run(
             for run in (local, remote)]  # fmt: skip
     for got, want in zip(rows[1], rows[0], strict=True):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert want["canary_gap"] == 0.0  # the local hf engine samples from the policy itself
     weights = [load_file(sorted((r / "checkpoints").iterdir())[-1] / "model" / "model.safetensors")
                for r in (local, remote)]  # fmt: skip
     for name, tensor in weights[0].items():

@@ -71,6 +71,14 @@ class GenerationBackend(Protocol):
         """Load the trainer's current weights, dropping any cache computed with old weights."""
         ...
 
+    def score(
+        self, sequences: list[list[int]], targets: list[list[bool]], temperature: float
+    ) -> list[list[float]]:
+        """Per-token logprobs of given ids under the weights the engine holds: `out[i][t]` is
+        that of `sequences[i][t]` given the ids before it where `targets[i][t]`, else 0 (the
+        weight canary, agent_grpo/trainer/canary.py)."""
+        ...
+
     def free_caches(self) -> None:
         """Drop what the engine holds only to sample faster with the current weights (the `hf`
         loop's KV prefix cache and packed weights); the trainer calls it when a step's

@@ -50,6 +50,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from agent_grpo.models.logprobs import token_logprobs
 from agent_grpo.rollout.backends.base import Generation, SamplingConfig
 from agent_grpo.rollout.backends.kv_cache import reserved_cache
 from agent_grpo.rollout.backends.packed_linear import PackedLinears, packing_supported
@@ -356,6 +357,28 @@ class HFBackend:
             self.model.load_state_dict(model.state_dict())
         self.free_caches()
 
+    def score(
+        self, sequences: list[list[int]], targets: list[list[bool]], temperature: float
+    ) -> list[list[float]]:
+        """Per-token logprobs of given ids under the engine's current weights (the weight
+        canary, `trainer/canary.py`): `out[i][t]` is that of `sequences[i][t]` given the ids
+        before it where `targets[i][t]`, else 0. One plain forward per sequence, no cache."""
+        out = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode(), self._autocast():
+                for ids, wanted in zip(sequences, targets, strict=True):
+                    x = torch.tensor([ids], device=self.device)  # [1, T]
+                    mask = torch.tensor([wanted], device=self.device)  # [1, T]
+                    values = token_logprobs(
+                        self.model, x, temperature=temperature, target_mask=mask
+                    )  # [1, T]
+                    out.append(values[0].float().cpu().tolist())
+        finally:
+            self.model.train(was_training)
+        return out
+
     def free_caches(self) -> None:
         """Free the prefix cache and the packed weights: both are of weights the trainer is about
         to change (`update_weights` would drop them after the update; this frees them for it)."""
@@ -438,15 +461,16 @@ class HFBackend:
         logits = self._forward(ids.to(self.device), valid, cache)
         return _Batch(list(range(len(rows))), cache, valid, logits)
 
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast to `compute_dtype` when it is not fp32, else nothing."""
+        if self.compute_dtype in (None, torch.float32):
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
     def _forward(self, ids: torch.Tensor, valid: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         """Run the last `ids.shape[1]` slots of `valid` through the model; last logits `[B, V]`."""
         dtype = self.compute_dtype or next(self.model.parameters()).dtype
-        autocast = (
-            torch.autocast(ids.device.type, dtype=dtype)
-            if self.compute_dtype not in (None, torch.float32)
-            else contextlib.nullcontext()
-        )
-        with autocast:
+        with self._autocast():
             out = self.model(
                 input_ids=ids,
                 attention_mask=attention_bias(valid, ids.shape[1], dtype),

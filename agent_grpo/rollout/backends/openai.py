@@ -263,6 +263,15 @@ class OpenAIBackend:
             "Use the `vllm` backend for on-policy training."
         )
 
+    def score(
+        self, sequences: list[list[int]], targets: list[list[bool]], temperature: float
+    ) -> list[list[float]]:
+        """Always raises `RemoteWeightsError`: the trainer pushes no weights to check here."""
+        raise RemoteWeightsError(
+            "OpenAIBackend holds no weights the trainer pushed: rollout.canary needs the hf or "
+            "vllm backend"
+        )
+
     def free_caches(self) -> None:
         """Nothing: the server's caches are the server's."""
 

@@ -221,6 +221,29 @@ class VLLMBackend:
         if not self.llm.reset_prefix_cache():
             raise VLLMBackendError("vLLM refused to reset its prefix cache (requests running?)")
 
+    def score(
+        self, sequences: list[list[int]], targets: list[list[bool]], temperature: float
+    ) -> list[list[float]]:
+        """Per-token logprobs of given ids (the `GenerationBackend` contract): vLLM's prompt
+        logprobs of each sequence, one token generated and thrown away."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=temperature, prompt_logprobs=0,
+                                detokenize=False)  # fmt: skip
+        requests = [TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        out = []
+        for output, ids, wanted in zip(outputs, sequences, targets, strict=True):
+            scored = output.prompt_logprobs  # per position, {id: Logprob}; None at position 0
+            if scored is None or len(scored) != len(ids):
+                raise VLLMBackendError("vLLM returned no prompt logprobs for a canary sequence")
+            row = []
+            for position, token, want in zip(scored, ids, wanted, strict=True):
+                row.append(position[token].logprob if want and position is not None else 0.0)
+            out.append(row)
+        return out
+
     def free_caches(self) -> None:
         """Nothing: the engine's KV cache (its prefix cache included) is allocated once, at its
         configured size, and kept."""

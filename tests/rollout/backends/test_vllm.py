@@ -297,3 +297,19 @@ def test_collected_trajectories_pass_the_invariants(tiny, tokenizer, name) -> No
     assert len(records) == 2 and all(r.lengths.model > 0 for r in records)
     for record in records:
         check_invariants(record, tokenizer)
+
+
+@pytest.mark.slow
+def test_score_gives_the_models_own_logprobs_of_given_ids(tiny) -> None:
+    # The weight canary's engine side: vLLM's prompt logprobs of fixed ids, at temperature 1,
+    # equal the model's log-softmax (fp32 both sides), 0 off the targets.
+    model, backend = tiny
+    ids = [[1, 520, 9531, 198, 19556, 42], [1, 7, 8]]
+    targets = [[False, False, True, True, True, True], [False, True, True]]
+    got = backend.score(ids, targets, 1.0)
+    for row, seq, wanted in zip(got, ids, targets, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[0].float()  # [T, V]
+        want = [logits[t - 1].log_softmax(-1)[tok].item() if w else 0.0
+                for t, (tok, w) in enumerate(zip(seq, wanted, strict=True))]  # fmt: skip
+        assert row == pytest.approx(want, abs=1e-3)
