@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForSequenceClassification
+from transformers import LlamaForSequenceClassification
 
 from agent_grpo.rewards import (
     JudgeRewardConfig,
@@ -18,6 +18,7 @@ from agent_grpo.rewards import (
     parse_judge_score,
 )
 from agent_grpo.testing.records import minimal_record
+from agent_grpo.testing.tiny_model import tiny_model_config
 from agent_grpo.trajectory.record import TrajectoryRecord
 
 
@@ -58,16 +59,9 @@ def test_parse_judge_score_clamps_and_defaults() -> None:
 
 def test_reward_model_scores_with_a_sequence_classifier(tmp_path, tokenizer) -> None:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = tiny_model_config()
+    config.vocab_size, config.num_labels = len(tokenizer), 1
+    config.pad_token_id = tokenizer.pad_token_id
     LlamaForSequenceClassification(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     fn = build_reward_fn(RewardModelRewardConfig(name="rm", model=str(tmp_path)))

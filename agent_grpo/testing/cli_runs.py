@@ -13,7 +13,19 @@ from pathlib import Path
 from agent_grpo.inspect.curves import add_inspect_parser
 from agent_grpo.inspect.replay import add_replay_parser
 
-__all__ = ["RULE", "RULE_REWARD", "agent_grpo", "deterministic", "inspect_cli", "metrics"]
+__all__ = [
+    "RULE",
+    "RULE_REWARD",
+    "TINY_CONFIG",
+    "agent_grpo",
+    "deterministic",
+    "inspect_cli",
+    "metrics",
+    "tiny_train",
+]
+
+TINY_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "calculator-tiny.yaml"
+"""The smoke-test config the in-process runs start from."""
 
 TIMING_KEYS = ("time", "per_s")
 
@@ -71,3 +83,15 @@ def inspect_cli(argv: list[str]) -> int:
     add_inspect_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
+
+
+def tiny_train(tmp: Path, model_dir: Path, *settings: str) -> Path:
+    """Run `train` in-process on the model at `model_dir` from `TINY_CONFIG`: no eval, no warm
+    start, no TensorBoard; `settings` are further overrides. Returns the run directory."""
+    from agent_grpo.config.base import load_config
+    from agent_grpo.config.jobs import TrainConfig
+    from agent_grpo.trainer.loop import train
+
+    overrides = [f"model.name_or_path={model_dir}", f"run.root={tmp}", "eval=null",
+                 "warm_start=null", "run.tensorboard=false", *settings]  # fmt: skip
+    return train(load_config(TrainConfig, TINY_CONFIG, overrides))

@@ -1,13 +1,16 @@
 """Test doubles for the tool-call formats: a small tool table, the hostile JSON every parser must
-survive, the check that a parse result can be stored, and hypothesis strategies for tool names
-and arguments (this module needs the dev extra's `hypothesis`).
+survive, the check that a parse result can be stored, hypothesis strategies for tool names and
+arguments (this module needs the dev extra's `hypothesis`), and calls of each format written by
+hand (`hermes_call`, `llama3_call`, ...: the arguments as given, not through `render_call`).
 
-Each format's tests write `hostile_arguments(case)` into that format's call syntax and expect a
-`parse` error value, never an exception, as the Hermes parser has always done.
+tests/tools/formats/test_every_format.py writes `hostile_arguments(case)` into each format's call
+syntax and expects a `parse` error value, never an exception, as the Hermes parser has always
+done; each format's own tests write what only that format refuses with the same writers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +21,9 @@ from agent_grpo.tools.formats.base import ParsedToolCall, ToolCallParseError
 from agent_grpo.trajectory.record import ToolCallRecord
 
 __all__ = [
+    "DEEPSEEK_V3_BEGIN",
+    "DEEPSEEK_V3_END",
+    "HARMONY_ANALYSIS",
     "HOSTILE_VALUES",
     "TOOLS",
     "UNCLOSED_AND_DEEP",
@@ -26,10 +32,20 @@ __all__ = [
     "SearchArgs",
     "any_text",
     "arguments",
+    "assert_refused",
+    "deepseek_v3_block",
+    "deepseek_v3_call",
+    "harmony_call",
+    "hermes_call",
     "hostile_arguments",
     "json_type",
     "json_values",
+    "llama3_call",
+    "mistral_call",
+    "mistral_v11_call",
+    "names_and_arguments",
     "nested",
+    "qwen3_coder_call",
     "storable",
     "tool_names",
 ]
@@ -97,6 +113,75 @@ def storable(result: ParsedToolCall | ToolCallParseError) -> bool:
     name, raw = result.name or "", result.raw
     record = ToolCallRecord(name=name, arguments=arguments, raw=raw, error=error)
     return ToolCallRecord.model_validate_json(record.model_dump_json()) == record
+
+
+def names_and_arguments(
+    results: Sequence[ParsedToolCall | ToolCallParseError],
+) -> list[tuple[str | None, Any]]:
+    """Each result's name and arguments (None for an error): what a round trip must give back."""
+    return [(r.name, r.arguments if isinstance(r, ParsedToolCall) else None) for r in results]
+
+
+def assert_refused(results: Sequence[ParsedToolCall | ToolCallParseError], needle: str) -> None:
+    """That a parser refused a turn: its first error and its last result are `parse` errors whose
+    message holds `needle` (a well-formed call before the refused one may stand first)."""
+    errors = [r for r in results if isinstance(r, ToolCallParseError)]
+    assert errors and isinstance(results[-1], ToolCallParseError), results
+    for error in (errors[0], results[-1]):
+        assert error.kind == "parse" and needle in error.message, results
+
+
+def hermes_call(arguments_json: str, name: str = "add") -> str:
+    """`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, the arguments as given."""
+    return '<tool_call>{"name": "' + name + '", "arguments": ' + arguments_json + "}</tool_call>"
+
+
+def llama3_call(arguments_json: str, name: str = "add") -> str:
+    """Llama 3's `{"name": ..., "parameters": ...}`, the arguments as given."""
+    return '{"name": "' + name + '", "parameters": ' + arguments_json + "}"
+
+
+def mistral_call(arguments_json: str, name: str = "add") -> str:
+    """Mistral's `[TOOL_CALLS]` list (v2-v7) of one call, the arguments as given."""
+    return '[TOOL_CALLS][{"name": "' + name + '", "arguments": ' + arguments_json + "}]"
+
+
+def mistral_v11_call(arguments_json: str, name: str = "add") -> str:
+    """Mistral v11's `[TOOL_CALLS]NAME[ARGS]{...}`, the arguments as given."""
+    return f"[TOOL_CALLS]{name}[ARGS]{arguments_json}"
+
+
+HARMONY_ANALYSIS = "<|channel|>analysis<|message|>Need the tool.<|end|><|start|>assistant"
+"""An analysis message before a call: in a Harmony turn each message after it starts anew."""
+
+
+def harmony_call(arguments_json: str, name: str = "add", end: str = "<|call|>") -> str:
+    """A Harmony commentary message to `functions.NAME`, the arguments as given, ended by `end`."""
+    header = f"<|channel|>commentary to=functions.{name} <|constrain|>json"
+    return f"{header}<|message|>{arguments_json}{end}"
+
+
+DEEPSEEK_V3_BEGIN, DEEPSEEK_V3_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+"""The markers around DeepSeek V3's block of calls."""
+
+
+def deepseek_v3_call(arguments_json: str, name: str = "add", kind: str = "function") -> str:
+    """One DeepSeek V3 call (without the block around it), the arguments as given."""
+    return (
+        f"<｜tool▁call▁begin｜>{kind}<｜tool▁sep｜>{name}\n```json\n{arguments_json}\n```"
+        "<｜tool▁call▁end｜>"
+    )
+
+
+def deepseek_v3_block(*calls: str) -> str:
+    """DeepSeek V3's block around `calls`, one a line."""
+    return DEEPSEEK_V3_BEGIN + "\n".join(calls) + DEEPSEEK_V3_END
+
+
+def qwen3_coder_call(name: str, **values: str) -> str:
+    """A Qwen3-Coder call, each value as the text between its tags."""
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
 
 
 def json_type(value: Any) -> str:

@@ -24,7 +24,7 @@ Where we depart from common practice:
   memory is lost (Notes-v0 keeps its state in a file for that reason).
 - A stdio server's stderr goes to a pipe the client's loop drains, keeping only the last
   `STDERR_TAIL_BYTES` (shown in startup errors, and by `McpClient.stderr_tail`): a file kept
-  everything, and a noisy server wrote 300 MB to it in 14 s.
+  everything, and a noisy server filled the disk with it (docs/benchmarks.md, "MCP servers").
 - Stopping a stdio server is the SDK's: stdin closed, 2 s, SIGTERM to its process group, 2 s,
   SIGKILL. The server runs in its own session, so the kill takes its children with it.
 """

@@ -13,6 +13,7 @@ from rich.console import Console
 from agent_grpo.inspect.replay import render_group, render_trajectory
 from agent_grpo.inspect.verify import VerifyReport, print_report
 from agent_grpo.inspect.visible import visible
+from agent_grpo.testing.records import minimal_record
 from agent_grpo.trajectory.record import (
     Lengths,
     Message,
@@ -48,13 +49,10 @@ class PieceTokenizer:
 def hostile_record() -> TrajectoryRecord:
     pieces = len(HOSTILE)
     call = ToolCallRecord(name="fetch\x1b[2J", arguments={"url": "x"}, raw="", result=OUTPUT)
-    return TrajectoryRecord(
-        group_id="g\x1b]0;title\x07",
+    return minimal_record(
+        "g\x1b]0;title\x07",
+        reward=1.0,
         task_id="t",
-        index_in_group=0,
-        group_size=1,
-        env_id="e",
-        seed=0,
         messages=[
             Message(role="user", content="fetch it"),
             Message(role="assistant", content="calling\x1b[2J"),
@@ -74,7 +72,6 @@ def hostile_record() -> TrajectoryRecord:
         token_ids=list(range(pieces)),
         provenance=[Provenance.MODEL] + [Provenance.OBSERVATION] * (pieces - 1),
         sampler_logprobs=[-1.0] + [None] * (pieces - 1),
-        reward=1.0,
         termination=Termination(kind="terminated", reason="done\x1b[2J"),
         lengths=Lengths(total=pieces, model=1),
         excluded="infrastructure failure: judge said \x1b[31mno",

@@ -13,27 +13,19 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import agent_grpo.models.logprobs as logprobs_module
 from agent_grpo.models.logprobs import reference_token_logprobs, token_logprobs
+from agent_grpo.testing.tiny_model import tiny_model_config
 
-VOCAB = 49152
+VOCAB = tiny_model_config().vocab_size
 
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(tiny_model_config()).eval()
 
 
 def _padded_batch(lengths: list[int], total: int, seed: int = 1) -> tuple[Tensor, Tensor]:

@@ -13,25 +13,13 @@ from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.rewards import JudgeRewardConfig, RewardFailure, apply_rewards, build_reward_fn
 from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult
 from agent_grpo.rollout.step import mark_excluded, score
-from agent_grpo.trajectory.record import Lengths, Message, Termination, TrajectoryRecord
+from agent_grpo.testing.records import minimal_record
+from agent_grpo.trajectory.record import Message, TrajectoryRecord
 
 
 def record(reward: float, index: int = 0, group: str = "g") -> TrajectoryRecord:
-    return TrajectoryRecord(
-        group_id=group,
-        task_id="t",
-        index_in_group=index,
-        group_size=4,
-        env_id="e",
-        seed=0,
-        messages=[Message(role="user", content="2+2?"), Message(role="assistant", content="4")],
-        token_ids=[],
-        provenance=[],
-        sampler_logprobs=[],
-        reward=reward,
-        termination=Termination(kind="terminated", reason="t"),
-        lengths=Lengths(),
-    )
+    messages = [Message(role="user", content="2+2?"), Message(role="assistant", content="4")]
+    return minimal_record(group, index, reward, group_size=4, task_id="t", messages=messages)
 
 
 def judge(**overrides: object) -> JudgeRewardConfig:

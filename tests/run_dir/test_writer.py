@@ -135,8 +135,13 @@ os.write(fd, line[len(line) // 2 :])
 """
 
 
-def _big_record(size: int) -> TrajectoryRecord:
-    return calculator_record().model_copy(update={"verifier": {"log": "y" * size}})
+def _big_record_file(tmp_path: Path, size: int) -> Path:
+    """A calculator record with a `size`-character verifier log, as one JSON line in a file."""
+    path = tmp_path / "record.json"
+    path.write_text(
+        calculator_record().model_copy(update={"verifier": {"log": "y" * size}}).to_json_line()
+    )
+    return path
 
 
 def _start(script: str, *args: str) -> subprocess.Popen[bytes]:
@@ -154,8 +159,7 @@ def test_kill_9_mid_record_skips_exactly_the_torn_one(
     tmp_path: Path, warnings_log: pytest.LogCaptureFixture
 ) -> None:
     run = RunWriter.create(tmp_path, run_id="r")
-    template = tmp_path / "record.json"
-    template.write_text(_big_record(200_000).to_json_line())
+    template = _big_record_file(tmp_path, 200_000)
     marker = tmp_path / "half-written"
     writer = _start(_TORN_WRITER, str(run.path), str(template), str(marker))
     _wait_for(marker.exists)
@@ -193,8 +197,7 @@ def test_kill_9_real_writer_loop_leaves_readable_prefix(
     tmp_path: Path, warnings_log: pytest.LogCaptureFixture
 ) -> None:
     run = RunWriter.create(tmp_path, run_id="r")
-    template = tmp_path / "record.json"
-    template.write_text(_big_record(1_000_000).to_json_line())
+    template = _big_record_file(tmp_path, 1_000_000)
     writer = _start(_LOOP_WRITER, str(run.path), str(template))
     path = run.trajectory_file(0)
     _wait_for(lambda: path.exists() and path.stat().st_size > 5_000_000)

@@ -4,30 +4,19 @@ in fp64, RLOO as published), the pi_old it records and where the loss's tensors 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from agent_grpo.algo.groups import advantages_of
-from agent_grpo.config.base import load_config
-from agent_grpo.config.jobs import AlgoConfig, TrainConfig
+from agent_grpo.config.jobs import AlgoConfig
 from agent_grpo.models.loading import load_model
 from agent_grpo.models.logprobs import token_logprobs
+from agent_grpo.testing.cli_runs import tiny_train
 from agent_grpo.testing.records import minimal_record
 from agent_grpo.testing.reward_rules import reward_override
-from agent_grpo.trainer.loop import train
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "configs/calculator-tiny.yaml"
 EVEN = reward_override("even", "even_tokens")
-
-
-def tiny_train(tmp: Path, model_dir: Path, *settings: str) -> Path:
-    """Run `train` in-process on the tiny model: no eval, no warm start."""
-    overrides = [f"model.name_or_path={model_dir}", f"run.root={tmp}", "eval=null",
-                 "warm_start=null", "run.tensorboard=false", *settings]  # fmt: skip
-    return train(load_config(TrainConfig, TINY, overrides))
 
 
 def test_an_infrastructure_failure_is_left_out_of_its_group_baseline() -> None:

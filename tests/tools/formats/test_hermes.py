@@ -1,20 +1,16 @@
 """The Hermes format (`<tool_call>{json}</tool_call>`): parsing, typed errors, validation against
-tool args models, render/parse round trips. Hostile JSON in Hermes calls (deep nesting, huge
-numbers, NaN) is tested through the whole rollout in tests/rollout/test_hostile_input.py."""
+tool args models (here with `b` required), render/parse round trips of markup. What every format
+does (round trips, hostile JSON, the format in a tool env) is in test_every_format.py; hostile
+JSON in Hermes calls is also tested through the whole rollout in
+tests/rollout/test_hostile_input.py."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from agent_grpo.envs.calculator import CalculatorEnv
-from agent_grpo.envs.text_env import read_step_info, run_expert
-from agent_grpo.testing.tool_formats import arguments, tool_names
+from agent_grpo.testing.tool_formats import FakeTool
 from agent_grpo.tools.formats import (
     HermesToolCallFormat,
     ParsedToolCall,
@@ -33,11 +29,6 @@ class SearchArgs(BaseModel):
     k: int = 3
 
 
-@dataclass
-class FakeTool:
-    args_model: type[BaseModel]
-
-
 TOOLS = {"add": FakeTool(AddArgs), "search": FakeTool(SearchArgs)}
 
 
@@ -53,11 +44,6 @@ def test_several_calls_in_one_turn() -> None:
         ParsedToolCall(name="add", arguments={"a": 1, "b": 2}, raw=first),
         ParsedToolCall(name="search", arguments={"query": "<|im_end|> é"}, raw=second),
     ]
-
-
-def test_text_without_call() -> None:
-    assert parse_tool_calls("The answer is 9. </tool_call> is just text here", TOOLS) == []
-    assert parse_tool_calls("", TOOLS) == []
 
 
 def test_bad_json_is_a_parse_error() -> None:
@@ -166,16 +152,6 @@ def test_render_call_round_trips() -> None:
     assert isinstance(error, ToolCallParseError) and error.kind == "parse"
 
 
-def test_several_rendered_calls_parse_in_order() -> None:
-    fmt = HermesToolCallFormat()
-    first = fmt.render_call("add", {"a": 1, "b": 2})
-    second = fmt.render_call("search", {"query": "x"})
-    assert parse_tool_calls(f"{first}\n{second}", TOOLS, fmt) == [
-        ParsedToolCall(name="add", arguments={"a": 1, "b": 2}, raw=first),
-        ParsedToolCall(name="search", arguments={"query": "x"}, raw=second),
-    ]
-
-
 def test_special_token_text_in_an_argument_is_written_as_an_escape() -> None:
     text = HermesToolCallFormat().render_call("search", {"query": "<|im_end|> [TOOL_CALLS]"})
     assert "<|" not in text and "[TOOL_CALLS]" not in text  # a tokenizer sees no special token
@@ -183,33 +159,3 @@ def test_special_token_text_in_an_argument_is_written_as_an_escape() -> None:
     assert isinstance(call, ParsedToolCall) and call.arguments == {
         "query": "<|im_end|> [TOOL_CALLS]"
     }
-
-
-@settings(max_examples=150, deadline=None)
-@given(tool_names, arguments)
-def test_any_call_round_trips(name: str, args: dict[str, Any]) -> None:
-    fmt = HermesToolCallFormat()
-    text = fmt.render_call(name, args)
-    assert [(c.name, getattr(c, "arguments", None)) for c in fmt.parse(text)] == [(name, args)]
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(tool_names, arguments), min_size=1, max_size=4))
-def test_any_calls_in_one_turn_round_trip(calls: list[tuple[str, dict[str, Any]]]) -> None:
-    fmt = HermesToolCallFormat()
-    text = "thinking\n".join(fmt.render_call(name, args) for name, args in calls)
-    assert [(c.name, getattr(c, "arguments", None)) for c in fmt.parse(text)] == calls
-
-
-def test_the_expert_solves_tasks_in_this_format() -> None:
-    episode = run_expert(CalculatorEnv(tool_call_format="hermes"), seed=3)
-    assert episode.success and episode.messages[2].content.startswith("<tool_call>")
-
-
-def test_a_malformed_call_is_an_error_observation_and_counted() -> None:
-    env = CalculatorEnv(tool_call_format="hermes")
-    env.reset(seed=1)
-    obs, _, terminated, _, info = env.step('<tool_call>{"name": "calculator"')
-    step = read_step_info(info)
-    assert obs[0]["content"] == "Error: <tool_call> is never closed" and not terminated
-    assert (step.malformed_tool_calls, env.malformed_tool_calls) == (1, 1)
