@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from load import MAX_FOREIGN_CORES, LoadWindow
+
 __all__ = [
     "ChildResult",
     "PeakWindow",
@@ -131,6 +133,9 @@ class ChildResult:
     """Seconds from start to exit."""
     error: str | None
     """Why it failed: exit status or timeout, and the tail of its output."""
+    load: dict[str, Any]
+    """The machine's load around the child (`load.LoadWindow.as_dict`): foreign cores, load
+    averages before and after, and whether it was `clean`."""
 
 
 def exit_on_sigterm() -> None:
@@ -163,24 +168,33 @@ def _stop_group(pid: int) -> None:
 
 
 def run_isolated(
-    script: Path, args: list[str], *, env: dict[str, str], timeout_s: float
+    script: Path,
+    args: list[str],
+    *,
+    env: dict[str, str],
+    timeout_s: float,
+    max_foreign_cores: float = MAX_FOREIGN_CORES,
 ) -> ChildResult:
-    """Run `python script args... --result FILE` in a new session; never raises on its failure."""
+    """Run `python script args... --result FILE` in a new session; never raises on its failure.
+    The CPU other processes used meanwhile is measured (`load.LoadWindow`)."""
     with tempfile.TemporaryDirectory(prefix="agent-grpo-bench-") as tmp:
         result_path, log_path = Path(tmp) / "result.json", Path(tmp) / "child.log"
         argv = [sys.executable, str(script), *args, "--result", str(result_path)]
         started = time.monotonic()
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        code, max_rss = _wait(proc.pid, started + timeout_s)
-        proc.returncode = code  # reaped by wait4 already; keep Popen from waiting again
-        if code is None:
-            _stop_group(proc.pid)
+        with LoadWindow(max_foreign_cores) as window:
+            with log_path.open("wb") as log:
+                proc = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+            code, max_rss = _wait(proc.pid, started + timeout_s)
+            proc.returncode = code  # reaped by wait4 already; keep Popen from waiting again
+            if code is None:
+                _stop_group(proc.pid)
         wall = time.monotonic() - started
         tail = log_path.read_text(errors="replace")[-3000:]
         if code == 0 and result_path.exists():
-            return ChildResult(True, json.loads(result_path.read_text()), max_rss, wall, None)
+            result = json.loads(result_path.read_text())
+            return ChildResult(True, result, max_rss, wall, None, window.as_dict())
         reason = f"timed out after {timeout_s:.0f}s" if code is None else f"exit status {code}"
-        return ChildResult(False, {}, max_rss, wall, f"{reason}; output tail:\n{tail}")
+        error = f"{reason}; output tail:\n{tail}"
+        return ChildResult(False, {}, max_rss, wall, error, window.as_dict())

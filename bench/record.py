@@ -2,8 +2,11 @@
 
 Each script runs `with bench_run(name, args) as run:`, fills `run.results`, and gets one JSON file
 in `bench/results/` (`NAME.json`, or `NAME.quick.json` for a `--quick` smoke run, which
-`bench/report.py` ignores). The 1-minute load average is taken at the start and at the end: on a
-small shared machine other processes compete for the cores, and a reader must be able to see that.
+`bench/report.py` ignores). On a small shared machine other processes compete for the cores, and
+a reader must be able to see that: the 1-minute load average is taken at the start and at the
+end, and the CPU other processes used over the whole run is measured (`load.py`). A run where it
+passed `--max-foreign-cores` is recorded with `"clean": false`, says so on the console, and
+`bench/report.py` does not quote it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from load import MAX_FOREIGN_CORES, LoadWindow
 from rich.console import Console
 from rich.table import Table
 
@@ -97,6 +101,13 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         "spin against each other and against other processes)",
     )
     parser.add_argument("--out", type=Path, default=None, help="results JSON path")
+    parser.add_argument(
+        "--max-foreign-cores",
+        type=float,
+        default=MAX_FOREIGN_CORES,
+        help="cores of other processes' work above which a measurement is busy: marked "
+        f"not clean, left out of medians, not quoted in the docs (default {MAX_FOREIGN_CORES})",
+    )
 
 
 @dataclass
@@ -110,10 +121,22 @@ class BenchRun:
     started_at: str = field(default_factory=lambda: dt.datetime.now().astimezone().isoformat())
     loadavg_start: tuple[float, float, float] = field(default_factory=os.getloadavg)
     results: dict[str, Any] = field(default_factory=dict)
+    load: LoadWindow = field(default_factory=LoadWindow)
+    """Other processes' CPU over the whole run (opened by `bench_run`)."""
+    busy_parts: list[str] = field(default_factory=list)
+    """Measurements the script found busy on their own (children), each as one line."""
+
+    @property
+    def clean(self) -> bool:
+        """No other process took more than the threshold, over the run or in any part."""
+        return not self.load.busy and not self.busy_parts
 
     def to_json(self, wall_s: float) -> dict[str, Any]:
         """Everything, with the end-of-run load average taken now."""
         return {
+            "clean": self.clean,
+            "foreign_cores": round(self.load.foreign_cores, 3),
+            "busy_parts": self.busy_parts,
             "benchmark": self.name,
             "quick": self.quick,
             "started_at": self.started_at,
@@ -135,9 +158,11 @@ def bench_run(name: str, args: argparse.Namespace) -> Iterator[BenchRun]:
         if k not in _INTERNAL_FLAGS
     }
     run = BenchRun(name, settings, bool(args.quick))
+    run.load.max_foreign_cores = getattr(args, "max_foreign_cores", MAX_FOREIGN_CORES)
     started = time.perf_counter()
     try:
-        yield run
+        with run.load:
+            yield run
     finally:
         out = args.out or RESULTS_DIR / (f"{name}.quick.json" if args.quick else f"{name}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -147,8 +172,14 @@ def bench_run(name: str, args: argparse.Namespace) -> Iterator[BenchRun]:
         console.print(
             f"[dim]{run.machine['cpu_model']}, {run.machine['usable_cores']} cores, "
             f"{run.machine['torch_threads']} torch threads; 1-min load {load[0]:.2f} -> "
-            f"{load[1]:.2f}; wrote {out}[/dim]"
+            f"{load[1]:.2f}; other processes {run.load.foreign_cores:.2f} cores; wrote {out}[/dim]"
         )
+        if not run.clean:
+            parts = "; ".join(run.busy_parts) or f"{run.load.foreign_cores:.2f} cores over the run"
+            console.print(
+                f"[red]busy machine: this result is recorded as not clean and is not quoted "
+                f"({parts}; threshold {run.load.max_foreign_cores} cores)[/red]"
+            )
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

@@ -4,8 +4,11 @@
 
 Every number in the generated sections comes from a results file (quick runs, `*.quick.json`, are
 ignored); a benchmark without results gets a line saying it has not been run. Nothing here
-measures. The page's last section, `## Measured by hand`, records figures measured outside
-`bench/` (each with its machine and date); the script keeps it as it is.
+measures. Only clean runs are quoted: a result recorded with `"clean": false` (other processes
+took more than the bench's `--max-foreign-cores`, `bench/load.py`) gets one line saying it was
+refused, and a result from before that check says it was not checked. The page's last section,
+`## Measured by hand`, records figures measured outside `bench/` (each with its machine and
+date); the script keeps it as it is.
 """
 
 from __future__ import annotations
@@ -24,9 +27,14 @@ from matplotlib.axes import Axes
 from record import RESULTS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = ("rollout_throughput", "train_throughput", "memory_scaling", "tool_runtime",
-         "lora_memory", "async_rollout")  # fmt: skip
+NAMES = ("rollout_throughput", "train_throughput", "train_throughput-notes", "memory_scaling",
+         "tool_runtime", "lora_memory", "async_rollout")  # fmt: skip
 Result = dict[str, Any]
+
+
+def is_busy(r: Result) -> bool:
+    """Recorded as not clean: the machine was busy while it measured."""
+    return r.get("clean") is False
 
 
 def load_results(directory: Path) -> dict[str, Result]:
@@ -70,6 +78,19 @@ def md_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([head, rule, *body])
 
 
+def quiet_line(r: Result) -> str:
+    """What the run measured of other processes' CPU, or that it predates the check."""
+    if "clean" not in r:
+        return (
+            "**Not checked for a quiet machine**: recorded before `bench/load.py` measured other "
+            "processes' CPU, so only the load average says how busy the machine was."
+        )
+    return (
+        f"Quiet machine: other processes took {r['foreign_cores']:.2f} cores on average over "
+        "the run (`bench/load.py`)."
+    )
+
+
 def run_line(r: Result) -> str:
     """When, how long, the load, and the threads of one run."""
     start, end = r["loadavg_start"], r["loadavg_end"]
@@ -77,7 +98,19 @@ def run_line(r: Result) -> str:
         f"Run {r['started_at'][:19].replace('T', ' ')} ({r['wall_s']:.0f} s), "
         f"{r['machine']['torch_threads']} torch thread(s); load average (1/5/15 min) "
         f"{start[0]:.2f}/{start[1]:.2f}/{start[2]:.2f} at start, "
-        f"{end[0]:.2f}/{end[1]:.2f}/{end[2]:.2f} at end."
+        f"{end[0]:.2f}/{end[1]:.2f}/{end[2]:.2f} at end. " + quiet_line(r)
+    )
+
+
+def busy_section(name: str, r: Result) -> str:
+    """In place of a busy run's figures: that it was refused, and why."""
+    why = "; ".join(r.get("busy_parts") or []) or f"{r['foreign_cores']:.2f} cores over the run"
+    return (
+        f"## {name}\n\nThe latest run ({r['started_at'][:19].replace('T', ' ')}, "
+        f"{r['machine']['cpu_model']}) is not quoted: the machine was busy ({why}; other "
+        "processes may take at most "
+        f"{r['settings'].get('max_foreign_cores', '?')} cores). Run `bench/{name.split('-')[0]}"
+        ".py` again on a quiet machine."
     )
 
 
@@ -96,6 +129,8 @@ def machine_section(results: dict[str, Result]) -> str:
     rows = [
         [name, r["machine"]["cpu_model"], r["started_at"][:19].replace("T", " "), r["wall_s"],
          f"{r['loadavg_start'][0]:.2f} -> {r['loadavg_end'][0]:.2f}",
+         "not checked" if "clean" not in r else r["foreign_cores"],
+         "busy: not quoted" if is_busy(r) else ("quoted" if "clean" in r else "unchecked"),
          r["machine"]["torch_threads"]]
         for name, r in results.items()
     ]  # fmt: skip
@@ -105,10 +140,13 @@ def machine_section(results: dict[str, Result]) -> str:
         "Each run's CPU is in the table below: figures from different machines are not compared. "
         "The machines are shared: other processes ran during these measurements, so the 1-minute "
         "load average (number of runnable processes) is recorded at the start and end of each "
-        "run. With a load above the core count, every number here is lower than on an idle "
-        "machine, and runs made at different loads are not strictly comparable.",
-        md_table(["benchmark", "CPU", "started (UTC)", "wall s", "1-min load", "torch threads"],
-                 rows),
+        "run. The load average counts the benchmark's own threads too, so runs since "
+        "`bench/load.py` also measure the cores other processes used (machine busy CPU time "
+        "minus the benchmark's own, over wall time); a run where that passed the bench's "
+        "threshold is not quoted. Runs from before that check are marked unchecked: with a load "
+        "above the core count, every number in them is lower than on an idle machine.",
+        md_table(["benchmark", "CPU", "started (UTC)", "wall s", "1-min load",
+                  "other processes (cores)", "status", "torch threads"], rows),
     ])  # fmt: skip
 
 
@@ -220,9 +258,11 @@ def train_section(r: Result) -> str:
               for name, runs in res.get("raw", {}).items()
               for i, run in enumerate(runs) if not run["ok"]]  # fmt: skip
     out = [
-        "## Whole GRPO steps vs TRL (`bench/train_throughput.py`)",
+        f"## Whole GRPO steps vs TRL, `{s.get('workload', 'calculator')}` workload "
+        "(`bench/train_throughput.py`)",
         run_line(r),
-        f"Embedded SmolLM2-135M-Instruct, {s['tasks']} single-turn Calculator-v0 prompts x group "
+        f"Embedded SmolLM2-135M-Instruct, {s['tasks']} single-turn "
+        f"{s.get('env_id', 'agent_grpo/Calculator-v0').split('/')[-1]} prompts x group "
         f"{s['group_size']}, at most {s['max_tokens']} completion tokens, beta {s['beta']} (k3), "
         f"lr {s['lr']}, clip 0.2, token-mean loss, one on-policy optimizer step per step; "
         f"{s['steps']} steps per run, the mean of steps 2-{s['steps']} per run, the median over "
@@ -400,7 +440,7 @@ def _train(ax: Axes, r: Result) -> None:
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, fontsize=7, rotation=30)
     ax.set_ylabel("seconds per step")
-    ax.set_title("whole GRPO step by phase")
+    ax.set_title(f"whole GRPO step by phase ({r['settings'].get('workload', 'calculator')})")
     ax.legend(fontsize=7)
 
 
@@ -421,7 +461,8 @@ def _tools(ax: Axes, r: Result) -> None:
 def chart(results: dict[str, Result], path: Path) -> None:
     """One PNG, one panel per benchmark that has results."""
     panels = [(n, f) for n, f in (("rollout_throughput", _bars), ("train_throughput", _train),
-              ("memory_scaling", _memory), ("tool_runtime", _tools)) if n in results]  # fmt: skip
+              ("train_throughput-notes", _train), ("memory_scaling", _memory),
+              ("tool_runtime", _tools)) if n in results and not is_busy(results[n])]  # fmt: skip
     columns = min(2, len(panels))
     rows = (len(panels) + columns - 1) // columns
     fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.8 * rows), squeeze=False)
@@ -437,6 +478,7 @@ def chart(results: dict[str, Result], path: Path) -> None:
 SECTIONS = {
     "rollout_throughput": rollout_section,
     "train_throughput": train_section,
+    "train_throughput-notes": train_section,
     "memory_scaling": memory_section,
     "tool_runtime": tools_section,
     "lora_memory": lora_section,
@@ -469,8 +511,12 @@ def document(results: dict[str, Result], png_name: str, kept: str = "") -> str:
         return "\n\n".join([*parts, "No results yet.", *tail]) + "\n"
     parts += [f"![benchmarks]({png_name})", machine_section(results)]
     for name in NAMES:
-        parts.append(SECTIONS[name](results[name]) if name in results else
-                     f"## {name}\n\nNot run yet (`bench/{name}.py`).")  # fmt: skip
+        if name not in results:
+            parts.append(f"## {name}\n\nNot run yet (`bench/{name.split('-')[0]}.py`).")
+        elif is_busy(results[name]):
+            parts.append(busy_section(name, results[name]))
+        else:
+            parts.append(SECTIONS[name](results[name]))
     return "\n\n".join([*parts, *tail]) + "\n"
 
 

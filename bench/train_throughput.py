@@ -2,13 +2,20 @@
 
     .venv/bin/python bench/train_throughput.py [--quick] [--sides trl hf vllm ...]
 
-The workload (issue 18): the embedded SmolLM2-135M-Instruct in fp32, single-turn Calculator-v0
-prompts (system prompt with the tool schema plus the question), `tasks` prompts x group `G` per
+The workload: the embedded SmolLM2-135M-Instruct in fp32, single-turn prompts of one of the
+built-in envs (system prompt with the tool schema plus the task), `tasks` prompts x group `G` per
 step, at most `max-tokens` completion tokens (EOS ends a completion early on both sides),
 temperature 1, top-p 1, KL weight `beta` with the k3 estimator, clip 0.2, token-mean loss (TRL's
 `dapo`), AdamW with the same lr, one on-policy optimizer step per step (TRL
 `num_iterations=1`). `steps` steps per run; the first is warm-up and steps 2..N are "steady".
 Every side runs in a fresh process, the sides alternate, `rounds` times; tables show medians.
+`--workload` picks the sizes (`WORKLOADS`): `calculator` is the one the code was tuned on (issue
+18), `notes` one it was not (prompts about twice as long, groups of 8, answers twice as long);
+`make bench` runs both.
+
+A run where other processes took more than `--max-foreign-cores` of the machine (`load.py`) is
+busy: medians use the clean runs only, a side without one is reported as busy, and the results
+file says `"clean": false`, which `bench/report.py` does not quote.
 
 Sides: `trl` (TRL's trainer, rewards from a seeded random function: the reward values do not
 change the compute), and ours through the real `agent_grpo.train` loop (the env's verifier as
@@ -37,12 +44,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import random
 import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +65,30 @@ from isolated import (
 )
 from record import add_common_flags, bench_run, console, print_table, set_threads
 
-ENV_ID = "agent_grpo/Calculator-v0"
 MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One comparison's sizes; both sides sample single-turn prompts of `env_id`."""
+
+    env_id: str
+    tasks: int
+    """Prompts per step."""
+    group_size: int
+    max_tokens: int
+    """Most completion tokens."""
+    max_context: int
+    """Our `rollout.max_context_tokens` (prompt plus answer fit)."""
+    prompt_tokens: int
+    """The prompts' length in SmolLM2 tokens (measured once): sizes the ceilings' update batch."""
+
+
+WORKLOADS = {
+    "calculator": Workload("agent_grpo/Calculator-v0", 2, 4, 48, 512, 246),
+    "notes": Workload("agent_grpo/Notes-v0", 1, 8, 96, 768, 466),
+}
+"""`calculator` is what the step was tuned on; `notes` was not (issue 30)."""
 
 IN_BACKWARD = {"optimizer_in_backward": True, "max_grad_norm": None}
 """No whole-model gradient buffer (agent_grpo/trainer/backward_steps.py); no clipping then."""
@@ -85,9 +114,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_common_flags(p)
     # the issue's comparison runs on both cores (TRL as a user runs it), and so does `make bench`
     p.set_defaults(threads=2)
-    p.add_argument("--tasks", type=int, default=2, help="prompts per step")
-    p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=48, help="most completion tokens")
+    p.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="calculator",
+        help="env and sizes (WORKLOADS); the three flags below override its sizes",
+    )
+    p.add_argument("--tasks", type=int, default=None, help="prompts per step")
+    p.add_argument("--group-size", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=None, help="most completion tokens")
     p.add_argument("--steps", type=int, default=5, help="steps per run; the first is warm-up")
     p.add_argument("--beta", type=float, default=0.04, help="KL weight (k3)")
     p.add_argument("--lr", type=float, default=1e-6)
@@ -101,6 +136,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    workload = WORKLOADS[args.workload]
+    args.env_id = workload.env_id
+    args.tasks = workload.tasks if args.tasks is None else args.tasks
+    args.group_size = workload.group_size if args.group_size is None else args.group_size
+    args.max_tokens = workload.max_tokens if args.max_tokens is None else args.max_tokens
     if args.quick:
         args.tasks, args.group_size, args.max_tokens, args.steps, args.rounds = 1, 2, 8, 2, 1
     return args
@@ -115,9 +155,10 @@ def our_config(args: argparse.Namespace, side: str, root: str) -> dict[str, Any]
     return {
         "seed": args.seed, "steps": args.steps,
         "model": {"name_or_path": MODEL, "dtype": spec.get("dtype", "float32")},
-        "env": {"id": ENV_ID, "kwargs": {"max_turns": 1}},
+        "env": {"id": args.env_id, "kwargs": {"max_turns": 1}},
         "rollout": {"backend": spec["backend"], "tasks_per_step": args.tasks,
-                    "group_size": args.group_size, "max_context_tokens": 512,
+                    "group_size": args.group_size,
+                    "max_context_tokens": WORKLOADS[args.workload].max_context,
                     "sampling": {"temperature": 1.0, "top_p": 1.0, "max_tokens": args.max_tokens},
                     "progress": False},
         "algo": {"beta": args.beta, "kl": "k3", "lr": args.lr, "clip_low": 0.2, "clip_high": 0.2,
@@ -261,12 +302,12 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
 # ---- TRL's side ------------------------------------------------------------------------------
 
 
-def prompts(n: int, seed: int) -> list[list[dict[str, Any]]]:
-    """The chat prompts of `n` Calculator-v0 training seeds (single turn)."""
+def prompts(env_id: str, n: int, seed: int) -> list[list[dict[str, Any]]]:
+    """The chat prompts of `n` training seeds of `env_id` (single turn)."""
     from agent_grpo.envs.registry import make_env
     from agent_grpo.envs.text_env import train_seeds
 
-    env = make_env(ENV_ID, max_turns=1)
+    env = make_env(env_id, max_turns=1)
     out = [env.reset(seed=s)[0] for s in train_seeds(n, random.Random(seed))]
     env.close()
     return out
@@ -297,7 +338,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
         return [rng.random() for _ in completions]
 
     dataset = Dataset.from_list(
-        [{"prompt": p} for p in prompts(args.tasks * args.steps, args.seed)]
+        [{"prompt": p} for p in prompts(args.env_id, args.tasks * args.steps, args.seed)]
     )
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
                           train_dataset=dataset, processing_class=tokenizer)  # fmt: skip
@@ -420,7 +461,8 @@ def model_sizes() -> dict[str, int]:
 
 def worker_ceiling(args: argparse.Namespace) -> dict[str, Any]:
     """The machine's bounds for this workload (see the module docstring)."""
-    tokens = args.tasks * 250 + args.tasks * args.group_size * args.max_tokens  # one update batch
+    prompt = WORKLOADS[args.workload].prompt_tokens
+    tokens = args.tasks * prompt + args.tasks * args.group_size * args.max_tokens  # one update
     rows = args.tasks * args.group_size
     return {
         "tokens": tokens,
@@ -442,7 +484,8 @@ def worker_ceiling(args: argparse.Namespace) -> dict[str, Any]:
 def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
     """One side in a fresh process."""
     console.print(f"[bold]{side}[/bold] ...")
-    flags = ["--worker", side, "--threads", str(args.threads), "--tasks", str(args.tasks),
+    flags = ["--worker", side, "--threads", str(args.threads), "--workload", args.workload,
+             "--tasks", str(args.tasks),
              "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
              "--steps", str(args.steps), "--beta", str(args.beta), "--lr", str(args.lr),
              "--seed", str(args.seed), "--algo", args.algo]  # fmt: skip
@@ -452,13 +495,18 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
     # page faults (docs/benchmarks.md, "Low mmap threshold in the whole-step bench"); peak RSS is
     # what a user's process really reaches
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    child = run_isolated(Path(__file__), flags, env=env, timeout_s=args.worker_timeout)
+    child = run_isolated(Path(__file__), flags, env=env, timeout_s=args.worker_timeout,
+                         max_foreign_cores=args.max_foreign_cores)  # fmt: skip
+    if not child.load["clean"]:
+        foreign = child.load["foreign_cores"]
+        console.print(f"[red]{side}: busy machine[/red] (other processes took {foreign:.2f} "
+                      "cores): left out of the medians")  # fmt: skip
     if not child.ok:
         console.print(f"[red]{side} did not run:[/red] {(child.error or '')[-1500:]}")
-        return {"ok": False, "error": child.error}
+        return {"ok": False, "error": child.error, "load": child.load}
     # the child's own figure: its `PeakWindow` resets lower what ru_maxrss reports
     peak = max(child.result.pop("peak_rss_mb"), child.max_rss_mb)
-    return {"ok": True, "process_peak_rss_mb": peak, "loadavg": os.getloadavg(), **child.result}
+    return {"ok": True, "process_peak_rss_mb": peak, "load": child.load, **child.result}
 
 
 def _median(values: list[float]) -> float:
@@ -471,14 +519,23 @@ def steady(run: dict[str, Any], key: str) -> float:
     return sum(values) / len(values)
 
 
+def clean_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs that finished on a quiet machine (old results without a load record count)."""
+    return [r for r in runs if r["ok"] and r.get("load", {}).get("clean", True)]
+
+
 def summarise(side: str, runs: list[dict[str, Any]], ceiling: dict[str, Any]) -> dict[str, Any]:
-    """One side's medians over its runs, and each phase against its ceiling."""
-    ok = [r for r in runs if r["ok"]]
-    if not ok:
+    """One side's medians over its clean runs, and each phase against its ceiling; a side
+    without a clean run is summarised over its busy ones and marked `clean: false`."""
+    finished = [r for r in runs if r["ok"]]
+    if not finished:
         return {"ok": False, "error": runs[0]["error"]}
+    ok = clean_runs(runs) or finished
     out: dict[str, Any] = {
         "ok": True,
+        "clean": ok[0].get("load", {}).get("clean", True),
         "runs": len(ok),
+        "busy_runs": len(finished) - len(clean_runs(runs)),
         "step_s": _median([steady(r, "step_time_s") for r in ok]),
         "step_s_all": [round(steady(r, "step_time_s"), 3) for r in ok],
         "peak_rss_mb": _median([r["process_peak_rss_mb"] for r in ok]),
@@ -585,18 +642,23 @@ def main(argv: list[str] | None = None) -> None:
         result = workers.get(args.worker, worker_ours)(args)
         write_child_result(args.result, {**result, "peak_rss_mb": process_peak_rss_mb()})
         return
-    with bench_run("train_throughput", args) as run:
+    name = "train_throughput" + ("" if args.workload == "calculator" else f"-{args.workload}")
+    with bench_run(name, args) as run:
         runs: dict[str, list[dict[str, Any]]] = {side: [] for side in args.sides}
         ceilings = []
         for _ in range(args.rounds):
             ceilings.append(measure("ceiling", args))
             for side in args.sides:
                 runs[side].append(measure(side, args))
-        ok = [c for c in ceilings if c["ok"]]
+        ok = clean_runs(ceilings) or [c for c in ceilings if c["ok"]]
         ceiling = max(ok, key=lambda c: c["bandwidth_gb_s"]) if ok else {}
         run.results["ceiling"] = ceiling
         run.results["raw"] = runs
         sides = run.results["sides"] = {s: summarise(s, r, ceiling) for s, r in runs.items()}
+        run.busy_parts += [f"{s}: no clean run" for s, x in sides.items()
+                           if x["ok"] and not x["clean"]]  # fmt: skip
+        if ceiling and not ceiling.get("load", {}).get("clean", True):
+            run.busy_parts.append("ceiling: no clean run")
         print_results(sides, ceiling)
 
 

@@ -1,0 +1,73 @@
+"""`bench/load.py` counts other processes' CPU as foreign and never the benchmark's own, so a
+busy machine cannot pass for a quiet one; `bench/report.py` quotes no busy result."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+from load import LoadWindow  # noqa: E402
+from report import document  # noqa: E402
+
+BURN = [sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"]
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_a_process_the_bench_does_not_own_is_foreign() -> None:
+    # started before the window and reaped after it: none of its CPU is ours
+    burner = subprocess.Popen(BURN)
+    try:
+        time.sleep(0.3)
+        with LoadWindow(max_foreign_cores=0.25) as window:
+            time.sleep(1.5)
+    finally:
+        burner.kill()
+        burner.wait()
+    assert window.foreign_cores > 0.5  # one core spinning, measured in 10 ms ticks
+    assert window.busy and window.as_dict()["clean"] is False
+
+
+def test_the_bench_own_work_and_its_reaped_children_are_not_foreign() -> None:
+    with LoadWindow() as idle:  # whatever else runs on this machine now, for comparison
+        time.sleep(1.4)
+    with LoadWindow() as window:
+        _spin(0.7)  # this process: a whole core
+        child = subprocess.run([*BURN[:2], "import time\nend = time.time() + 0.7\n"
+                                "while time.time() < end: pass"], check=True)  # fmt: skip
+    assert child.returncode == 0
+    # 1.4 s of our CPU in about 1.5 s of wall: counted as foreign it would add ~0.9 cores
+    assert window.foreign_cores < idle.foreign_cores + 0.45
+    assert window.loadavg_before and window.loadavg_after
+
+
+def _busy_train_result() -> dict[str, object]:
+    machine = {"cpu_model": "AMD EPYC", "cpu_count": 2, "usable_cores": 2, "memory_gb": 23.5,
+               "torch_threads": 2, "torch": "2.13.0+cpu", "transformers": "5.19.0",
+               "python": "3.11.7", "platform": "Linux"}  # fmt: skip
+    return {
+        "benchmark": "train_throughput", "quick": False, "clean": False, "foreign_cores": 0.9,
+        "busy_parts": ["trl: no clean run"], "started_at": "2026-12-03T23:00:00+00:00",
+        "wall_s": 100.0, "loadavg_start": [0.1, 0.1, 0.1], "loadavg_end": [2.0, 1.0, 0.5],
+        "machine": machine, "settings": {"max_foreign_cores": 0.25},
+        "results": {"sides": {"trl": {"ok": True, "step_s": 1.0}}},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["train_throughput", "train_throughput-notes"])
+def test_a_busy_result_is_refused_not_quoted(name: str) -> None:
+    page = document({name: _busy_train_result()}, "benchmarks.png")
+    assert f"## {name}\n\nThe latest run" in page and "is not quoted" in page
+    assert "trl: no clean run" in page and "busy: not quoted" in page
+    assert "| trl |" not in page and "x TRL" not in page
