@@ -66,7 +66,14 @@ class ModelConfig(ConfigModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of the forward passes (training and `hf` sampling). Parameters, and so the
     optimizer's master weights, stay fp32; bfloat16 runs under autocast. The frozen reference
-    (`algo.beta > 0`) is held in this dtype: it has no optimizer to keep fp32 weights for."""
+    (`algo.beta > 0`) is held in this dtype unless `reference_dtype` says otherwise: it has no
+    optimizer to keep fp32 weights for."""
+    reference_dtype: Literal["float32", "bfloat16"] | None = None
+    """The frozen reference's weights and forward pass; None: `dtype`. `bfloat16` under fp32
+    training halves the reference's memory and about halves its forward's time on a CPU with
+    bf16 matmuls, at a logprob gap measured in `bench/reference_dtype.py` (docs/performance.md,
+    "A bf16 reference"): the k3 KL estimate then starts slightly above 0. Full fine-tuning
+    only: with LoRA the reference is the policy itself with its adapter off."""
     lora: LoraSettings | None = None
     """Train a LoRA adapter (peft) instead of every weight; None: full fine-tuning."""
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
@@ -269,6 +276,15 @@ class TrainConfig(ConfigModel):
             raise ValueError("algo.dynamic_sampling with rollout.workers.type=ray is not built")
         if ray and self.model.lora is not None:
             raise ValueError("model.lora with rollout.workers.type=ray is not built")
+        return self
+
+    @model_validator(mode="after")
+    def _reference_dtype_needs_own_reference(self) -> TrainConfig:
+        if self.model.reference_dtype is not None and self.model.lora is not None:
+            raise ValueError(
+                "model.reference_dtype with model.lora: LoRA's reference is the policy itself "
+                "with its adapter off, computed in model.dtype; remove one of the two"
+            )
         return self
 
     @model_validator(mode="after")

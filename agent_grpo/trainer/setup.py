@@ -56,6 +56,7 @@ __all__ = [
     "make_reference",
     "model_source",
     "open_run",
+    "reference_dtype",
     "resolve_max_tokens",
     "sampler_model",
     "set_up",
@@ -189,6 +190,13 @@ def compute_dtype(config: TrainConfig) -> torch.dtype:
     return torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
 
 
+def reference_dtype(config: TrainConfig) -> torch.dtype:
+    """`model.reference_dtype` (else `model.dtype`): the frozen reference's weights and forward."""
+    if config.model.reference_dtype is None:
+        return compute_dtype(config)
+    return torch.bfloat16 if config.model.reference_dtype == "bfloat16" else torch.float32
+
+
 def start_distributed(config: TrainConfig) -> DistContext:
     """Join the torchrun job that `distributed.mode` asks for; refuse a launch that does not fit."""
     mode, world = config.distributed.mode, launched_world_size()
@@ -274,7 +282,9 @@ def share_models(
     mode, dtype = config.distributed.mode, compute_dtype(config)
     policy = wrap_policy(broadcast_module(policy, ctx), mode, ctx, dtype)
     if reference is not None:
-        reference = wrap_reference(broadcast_module(reference, ctx), mode, ctx, dtype)
+        reference = wrap_reference(
+            broadcast_module(reference, ctx), mode, ctx, reference_dtype(config)
+        )
     if config.model.lora is not None and config.algo.beta > 0:  # the same weights, adapter off
         reference = LogprobModel(unwrap_policy(policy), compute_dtype=dtype, adapter_disabled=True)
     return policy, reference

@@ -152,6 +152,23 @@ def test_refused_with_clipping_or_ranks() -> None:
         })  # fmt: skip
 
 
+def test_reference_dtype_holds_a_bf16_reference_under_fp32_training(tiny_model) -> None:
+    """`model.reference_dtype: bfloat16` with `model.dtype: float32`: the policy keeps fp32, the
+    reference is held and run in bf16; with LoRA (no reference of its own) it is refused."""
+    from agent_grpo.trainer.setup import share_models
+
+    model, _ = tiny_model
+    config = TrainConfig.model_validate({"model": {"reference_dtype": "bfloat16"},
+                                         "algo": {"beta": 0.04}})  # fmt: skip
+    policy, reference = share_models(copy.deepcopy(model), copy.deepcopy(model), config,
+                                     DistContext())  # fmt: skip
+    assert reference is not None
+    assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in policy.parameters()} == {torch.float32}
+    with pytest.raises(ValueError, match=r"model\.reference_dtype with model\.lora"):
+        TrainConfig.model_validate({"model": {"reference_dtype": "bfloat16", "lora": {}}})
+
+
 def test_bf16_reference_keeps_no_fp32_copy(tiny_model) -> None:
     """With `model.dtype: bfloat16` the frozen reference is held in bf16 (half the bytes) and
     scores like the fp32 weights under bf16 autocast, to bf16's resolution."""

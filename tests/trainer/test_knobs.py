@@ -61,6 +61,8 @@ MATRIX: dict[str, list[str]] = {
         "algo.max_grad_norm=null", "algo.speed.recompute_mlp=true", "model.dtype=bfloat16",
         "algo.beta=0.04", "algo.kl=k3", "algo.epochs=2", "algo.minibatches=2",
         "algo.speed.micro_batch_tokens=64"],
+    "bf16-reference-k3-mb2": [EVEN, "model.reference_dtype=bfloat16", "algo.beta=0.04",
+        "algo.kl=k3", "algo.minibatches=2"],
     "all-dead-in-backward": [DEAD, "algo.speed.optimizer_in_backward=true",
         "algo.max_grad_norm=null"],
     "nan-reward": [NAN],
