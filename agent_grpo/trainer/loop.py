@@ -224,18 +224,22 @@ def _loop(
     trackers = open_trackers(path, config, callbacks, resumed=state.step > 0)
     saved_at, watch = time.monotonic(), DeadStepWatch()
     progress.start_at(state.step)
-    for step in range(state.step, config.steps):
-        metrics, records = train_step(config, trainer, step, max_tokens, progress)
-        if run is not None:
-            record_step(run, config, metrics, records, trackers)
-            watch.see(metrics)
-        crash_point("after_step", step)  # crash tests: recorded, not checkpointed
-        state.step = step + 1
-        progress.step()
-        if broadcast_object(checkpoint_due(config, state.step, saved_at), ctx=trainer.ctx):
-            progress.phase(f"checkpoint after step {step}")
-            save(run, trainer, state, config.run.keep_checkpoints)
-            saved_at = time.monotonic()
+    try:
+        for step in range(state.step, config.steps):
+            metrics, records = train_step(config, trainer, step, max_tokens, progress)
+            if run is not None:
+                record_step(run, config, metrics, records, trackers)
+                watch.see(metrics)
+            crash_point("after_step", step)  # crash tests: recorded, not checkpointed
+            state.step = step + 1
+            progress.step()
+            if broadcast_object(checkpoint_due(config, state.step, saved_at), ctx=trainer.ctx):
+                progress.phase(f"checkpoint after step {step}")
+                save(run, trainer, state, config.run.keep_checkpoints)
+                saved_at = time.monotonic()
+    except BaseException:
+        trackers.close(failed=True)  # a tracker's run must not stay RUNNING
+        raise
     trackers.close()
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from agent_grpo.config.base import ConfigError, dump_config
 from agent_grpo.config.jobs import TRACKERS, TrainConfig
+from agent_grpo.logs import get_logger
 from agent_grpo.rollout.summary import TrajectorySummary
 from agent_grpo.trainer.metrics import LogprobMismatch, SignalMetrics, StepMetrics, UpdateMetrics
 
@@ -30,6 +32,8 @@ __all__ = [
     "grouped_name",
     "open_trackers",
 ]
+
+log = get_logger("trackers")
 
 MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
 """The module each tracker imports; its pip extra has the tracker's name."""
@@ -80,11 +84,12 @@ def grouped_metrics(metrics: StepMetrics) -> dict[str, float]:
 
 
 class Tracker(Protocol):
-    """One tracker's run: takes each step's grouped metrics, and is closed at the end."""
+    """One tracker's run: takes each step's grouped metrics, and is closed at the end, as
+    failed when a step raised (its run must not stay `RUNNING`)."""
 
     def log(self, step: int, values: dict[str, float]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, failed: bool = False) -> None: ...
 
 
 def check_trackers(config: TrainConfig) -> None:
@@ -109,7 +114,7 @@ class _TensorBoard:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -134,15 +139,23 @@ class _Wandb:
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 class _Trackio:
     def __init__(self, path: Path, config: TrainConfig, resumed: bool) -> None:
+        # Local: trackio's sqlite database, no server, no Space. trackio reads TRACKIO_DIR once,
+        # at import: unless the user set it, the database goes under the run directory like
+        # every other tracker's files, so the run directory holds all the run recorded.
+        if "trackio" not in sys.modules:
+            os.environ.setdefault("TRACKIO_DIR", str((path / "trackio").resolve()))
         import trackio
+        import trackio.utils
 
-        # Local: trackio's sqlite database under TRACKIO_DIR, no server, no Space.
+        where = Path(trackio.utils.TRACKIO_DIR)
+        if where.resolve() != (path / "trackio").resolve():
+            log.info("trackio writes to %s (TRACKIO_DIR), not under the run directory", where)
         self.trackio = trackio
         self.run = trackio.init(
             project="agent-grpo",
@@ -157,7 +170,7 @@ class _Trackio:
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.trackio.finish()
 
 
@@ -194,8 +207,8 @@ class _Mlflow:
         metrics = [Metric(k, v, stamp, step) for k, v in values.items()]
         self.client.log_batch(self.run_id, metrics=metrics)
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, failed: bool = False) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
 def _millis() -> int:
@@ -237,10 +250,11 @@ class Trackers:
         for callback in self.callbacks:
             callback(metrics.step, metrics)
 
-    def close(self) -> None:
-        """Finish every tracker's run (wandb and trackio write their last records here)."""
+    def close(self, failed: bool = False) -> None:
+        """Finish every tracker's run (wandb and trackio write their last records here); with
+        `failed`, as failed (MLflow `FAILED`, wandb exit code 1)."""
         for tracker in self.trackers:
-            tracker.close()
+            tracker.close(failed)
         self.trackers = []
 
 

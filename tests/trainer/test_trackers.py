@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -202,6 +205,51 @@ def test_mlflow_store_holds_the_grouped_names(tmp_path: Path, tiny_model_dir: Pa
         if m.step == 0
     }
     _assert_same(stored, run)
+
+
+@_installed("mlflow")
+def test_a_run_whose_step_raises_ends_its_mlflow_run_failed(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    import agent_grpo.trainer.loop as loop
+
+    real_step = loop.train_step
+
+    def second_step_raises(config, trainer, step, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if step == 1:
+            raise RuntimeError("the env's server went away")
+        return real_step(config, trainer, step, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", second_step_raises)
+    with pytest.raises(RuntimeError, match="went away"):
+        tiny_train(tmp_path, tiny_model_dir, "run.report_to=[mlflow]", "steps=2")
+    (store,) = tmp_path.glob("*/mlflow.db")
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
+    experiment = client.get_experiment_by_name("agent-grpo")
+    assert experiment is not None
+    (found,) = client.search_runs([experiment.experiment_id])
+    assert found.info.status == "FAILED"  # not left RUNNING
+    assert client.get_metric_history(found.info.run_id, "loss/loss")  # step 0 was logged
+
+
+@_installed("trackio")
+def test_trackio_database_goes_under_the_run_directory(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    # a fresh interpreter: trackio reads TRACKIO_DIR once, at import
+    script = (
+        "import sys; from pathlib import Path\n"
+        "from agent_grpo.testing.cli_runs import tiny_train\n"
+        "print(tiny_train(Path(sys.argv[1]), Path(sys.argv[2]), 'run.report_to=[trackio]'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRACKIO_DIR"}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(tiny_model_dir)],
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = Path(done.stdout.strip().splitlines()[-1])
+    assert list((run / "trackio").glob("*.db")), sorted(p.name for p in run.iterdir())
 
 
 @_installed("trackio")
