@@ -15,7 +15,14 @@ from typing import Any, ClassVar, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-__all__ = ["ConfigError", "ConfigModel", "apply_overrides", "close_match", "load_config"]
+__all__ = [
+    "ConfigError",
+    "ConfigModel",
+    "anchor_data_files",
+    "apply_overrides",
+    "close_match",
+    "load_config",
+]
 
 
 class ConfigModel(BaseModel):
@@ -125,7 +132,30 @@ def load_config(cls: type[C], path: str | Path, overrides: list[str] | None = No
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(error)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    return validate_config(cls, apply_overrides(raw, overrides or []), str(path))
+    merged = apply_overrides(raw, overrides or [])
+    anchor_data_files(merged, path.parent)
+    return validate_config(cls, merged, str(path))
+
+
+def anchor_data_files(raw: dict[str, Any], folder: Path) -> None:
+    """Make `env.kwargs.data_files` (Dataset-v0's files) that exist relative to the config
+    file's `folder`, and not relative to the current directory, absolute: a config next to its
+    data trains from any directory, and the run's resolved config names the files it read."""
+    env = raw.get("env")
+    kwargs = env.get("kwargs") if isinstance(env, dict) else None
+    files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
+    if not isinstance(files, dict):
+        return
+
+    def anchored(name: Any) -> Any:
+        if not isinstance(name, str) or "://" in name or Path(name).is_absolute():
+            return name
+        if Path(name).exists() or not (folder / name).exists():
+            return name  # the current directory first, as `datasets` reads it
+        return str((folder / name).resolve())
+
+    for split, name in files.items():
+        files[split] = [anchored(n) for n in name] if isinstance(name, list) else anchored(name)
 
 
 def dump_config(config: ConfigModel) -> str:

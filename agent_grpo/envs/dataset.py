@@ -3,6 +3,9 @@
 Rows come from a Hugging Face `datasets` dataset (local JSONL, Parquet or CSV files, or a hub id),
 with the columns, splits and verifier named in `env.kwargs` (`DatasetEnvConfig`; a wrong name is
 a one-line error naming what there is). Without kwargs it is the shipped arithmetic word problems.
+A prompt cell is either text (the user message) or, as in TRL's conversational datasets, a list
+of `{role, content}` messages ending with a user message (a leading system message replaces
+the system prompt; the tool list is still appended).
 
 A training seed picks a row of the train split with the seed's generator. Held-out seeds walk the
 held-out split in order (`heldout_seeds(n)` is its first `n` rows, each once), so `eval.tasks`
@@ -27,7 +30,7 @@ from agent_grpo.envs.math_verdicts import math_verdict, regex_verdict
 from agent_grpo.envs.text_env import HELDOUT_SEEDS, ToolEnv, Verdict
 from agent_grpo.tools.tool import Tool
 
-__all__ = ["TOOLS", "DatasetEnv", "DatasetEnvConfig"]
+__all__ = ["TOOLS", "DatasetEnv", "DatasetEnvConfig", "named_tool"]
 
 TOOLS = {
     "calculator": "agent_grpo.tools.calculator:calculator",
@@ -72,7 +75,8 @@ def _config(kwargs: dict[str, Any]) -> DatasetEnvConfig:
     return config
 
 
-def _tool(name: str) -> Tool:
+def named_tool(name: str) -> Tool:
+    """The tool `tools:` names: a built-in (`TOOLS`) or a `module:attribute` path to a `Tool`."""
     module, _, attribute = TOOLS.get(name, name).partition(":")
     if not attribute:
         raise ValueError(f"unknown tool {name!r}: use {', '.join(TOOLS)} or module:attribute")
@@ -92,7 +96,7 @@ class DatasetEnv(ToolEnv[DatasetTask]):
         if self.config.verifier == "math" and importlib.util.find_spec("math_verify") is None:
             raise ImportError("verifier math needs math-verify: pip install 'agent-grpo[datasets]'")
         self.tasks = load_tasks(self.config)
-        self.tools = [_tool(name) for name in self.config.tools]
+        self.tools = [named_tool(name) for name in self.config.tools]
         self.system_prompt = self.config.system_prompt
 
     def render_system_prompt(self) -> str:
@@ -110,6 +114,19 @@ class DatasetEnv(ToolEnv[DatasetTask]):
         """The row's prompt, as it is."""
         return task.prompt
 
+    def opening_messages(self, task: DatasetTask) -> list[dict[str, Any]]:
+        """A text row: the system prompt and the row as the user message. A conversational row
+        (TRL's format): its messages as they are, after the system prompt; a system message of
+        its own takes the system prompt's place (the tool list still follows it)."""
+        if not task.messages:
+            return super().opening_messages(task)
+        messages = [m.model_dump() for m in task.messages]
+        if messages[0]["role"] == "system":
+            self.system_prompt = messages.pop(0)["content"]
+        else:
+            self.system_prompt = self.config.system_prompt
+        return [{"role": "system", "content": self.render_system_prompt()}, *messages]
+
     def verify(self, task: DatasetTask, answer: str) -> Verdict:
         """The configured verifier on the `Answer:` line against the row's reference."""
         if self.config.verifier == "math":
@@ -123,7 +140,7 @@ class DatasetEnv(ToolEnv[DatasetTask]):
         if self.config.verifier == "regex":
             raise NotImplementedError("Dataset-v0 has no expert for regex references")
         call = self.config.expert_call
-        name = _tool(call.tool).name if call else None
+        name = named_tool(call.tool).name if call else None
         if name and not any(c.name == name and c.error is None for c in self.tool_calls):
             return self.call(name, **self.task.expert_arguments)
         return f"Answer: {self.task.answer}"

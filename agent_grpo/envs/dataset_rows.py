@@ -16,11 +16,12 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 __all__ = [
     "PACKAGE_DIR",
     "SHIPPED_FILES",
+    "ChatMessage",
     "DatasetSource",
     "DatasetTask",
     "ExpertCall",
@@ -38,13 +39,28 @@ SHIPPED_FILES = {
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
+class ChatMessage(BaseModel):
+    """One message of a conversational prompt (TRL's format: `{"role": ..., "content": ...}`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    role: Literal["system", "user", "assistant"]
+    """Who says it; a system message may only come first."""
+    content: str
+    """What is said."""
+
+
 class DatasetTask(BaseModel):
     """One row of the dataset, as a task."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     prompt: str
-    """The user message: the row's prompt column."""
+    """The user message: the row's prompt column (a conversational row: its messages as JSON,
+    which is what the splits are told apart by)."""
+    messages: tuple[ChatMessage, ...] = ()
+    """A conversational row's messages (TRL's format: the prompt column holds a list of
+    `{role, content}`), ending with a user message; empty: `prompt` is the one user message."""
     answer: str
     """The reference answer (or, for the regex verifier, the pattern an answer must match)."""
     row: int
@@ -80,7 +96,8 @@ class DatasetSource(BaseModel):
     """The dataset's configuration, if it has several (`main` for GSM8K)."""
     data_files: dict[str, str | list[str]] | None = None
     """Files by split, `{train: a.jsonl, test: b.jsonl}`. Relative paths are looked up in the
-    current directory, then in the installed `agent_grpo/envs/`. With neither `path` nor
+    current directory, then in the folder of the config file that names them (made absolute
+    when the config loads), then in the installed `agent_grpo/envs/`. With neither `path` nor
     `data_files`: the shipped arithmetic word problems."""
     train_split: str = "train"
     """The split training tasks come from."""
@@ -167,6 +184,32 @@ def _reference(cell: Any, source: DatasetSource, row: int, split: str) -> str:
     return text
 
 
+def _prompt(
+    cell: Any, source: DatasetSource, row: int, split: str
+) -> tuple[str, tuple[ChatMessage, ...]]:
+    """A prompt cell as text, or a conversational cell (TRL's list of messages) as its messages;
+    anything else (a dict, a list of something else) is refused, never turned into its repr."""
+    where = f"row {row} of {split!r}: prompt_column {source.prompt_column!r}"
+    if isinstance(cell, str | int | float) and not isinstance(cell, bool):
+        return str(cell), ()
+    if not isinstance(cell, list) or not cell:
+        raise ValueError(f"{where} holds {type(cell).__name__} {str(cell)[:80]!r}, not text or "
+                         "a list of chat messages")  # fmt: skip
+    try:
+        messages = tuple(ChatMessage.model_validate(m) for m in cell)
+    except ValidationError:
+        raise ValueError(f"{where} holds a list that is not chat messages: each must be "
+                         f"{{role: system|user|assistant, content: text}}; got {str(cell)[:120]}"
+                         ) from None  # fmt: skip
+    if any(m.role == "system" for m in messages[1:]):
+        raise ValueError(f"{where}: a system message may only come first")
+    if messages[-1].role != "user":
+        raise ValueError(f"{where}: the conversation must end with a user message, the turn "
+                         "the model answers")  # fmt: skip
+    text = json.dumps([m.model_dump() for m in messages], ensure_ascii=False)
+    return text, messages
+
+
 def _split_tasks(data: Any, split: str, source: DatasetSource) -> list[DatasetTask]:
     if split not in data:
         raise ValueError(
@@ -178,9 +221,19 @@ def _split_tasks(data: Any, split: str, source: DatasetSource) -> list[DatasetTa
         raise ValueError(f"split {split!r} is empty")
     call = source.expert_call.arguments if source.expert_call else {}
     values = {arg: _column(data, split, col, "expert_call column") for arg, col in call.items()}
-    return [DatasetTask(prompt=str(p), answer=_reference(a, source, i, split), row=i,
-                        expert_arguments={arg: str(v[i]) for arg, v in values.items()})
-            for i, (p, a) in enumerate(zip(prompts, answers, strict=True))]  # fmt: skip
+    tasks = []
+    for i, (p, a) in enumerate(zip(prompts, answers, strict=True)):
+        text, messages = _prompt(p, source, i, split)
+        tasks.append(
+            DatasetTask(
+                prompt=text,
+                messages=messages,
+                answer=_reference(a, source, i, split),
+                row=i,
+                expert_arguments={arg: str(v[i]) for arg, v in values.items()},
+            )
+        )
+    return tasks
 
 
 def load_tasks(source: DatasetSource) -> SplitTasks:

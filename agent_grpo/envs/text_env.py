@@ -305,11 +305,15 @@ class TextEnv(gym.Env[Messages, str], Generic[TaskT]):
         self.task_seed, self.split = seed, split_of(seed)
         self.task = self.generate_task(np.random.default_rng(seed))
         self.turn, self.tool_calls, self.malformed_tool_calls, self._done = 0, [], 0, False
-        self.conversation = [
-            {"role": "system", "content": self.render_system_prompt()},
-            {"role": "user", "content": self.user_prompt(self.task)},
-        ]
+        self.conversation = self.opening_messages(self.task)
         return copy.deepcopy(self.conversation), {"seed": seed, "split": self.split}
+
+    def opening_messages(self, task: TaskT) -> Messages:
+        """The episode's first messages: the system prompt, then `user_prompt(task)`."""
+        return [
+            {"role": "system", "content": self.render_system_prompt()},
+            {"role": "user", "content": self.user_prompt(task)},
+        ]
 
     def step(self, action: str) -> tuple[Messages, float, bool, bool, dict[str, Any]]:
         """Take one assistant turn; see the module docstring for reward and termination."""

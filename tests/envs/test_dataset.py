@@ -221,6 +221,83 @@ def test_relative_files_are_found_here_then_in_the_package(
     assert [t.prompt for t in env.tasks["heldout"]] == [row["q"] for row in TEST]
 
 
+def test_a_config_next_to_its_data_trains_from_any_directory(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    write_jsonl(project / "data" / "train.jsonl", TRAIN)
+    write_jsonl(project / "data" / "test.jsonl", TEST)
+    (project / "job.yaml").write_text(
+        "env:\n  id: agent_grpo/Dataset-v0\n  kwargs:\n    prompt_column: q\n"
+        "    answer_column: a\n    data_files: {train: data/train.jsonl, test: [data/test.jsonl]}\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = load_config(TrainConfig, project / "job.yaml")
+    data_files = config.env.kwargs["data_files"]
+    assert data_files == {"train": str(project / "data" / "train.jsonl"),
+                          "test": [str(project / "data" / "test.jsonl")]}  # fmt: skip
+    env = DatasetEnv(**config.env.kwargs)
+    assert [t.prompt for t in env.tasks["heldout"]] == [row["q"] for row in TEST]
+    # a file that exists from here keeps meaning the one here
+    (elsewhere / "data").mkdir()
+    write_jsonl(elsewhere / "data" / "train.jsonl", TRAIN[:3])
+    config = load_config(TrainConfig, project / "job.yaml")
+    assert config.env.kwargs["data_files"]["train"] == "data/train.jsonl"
+
+
+def _chat(*turns: tuple[str, str]) -> list[dict[str, str]]:
+    return [{"role": role, "content": content} for role, content in turns]
+
+
+def test_trl_conversational_prompts_become_the_episode_messages(tmp_path: Path) -> None:
+    train = [{"prompt": _chat(("user", f"What is {n} + {n}?")), "a": str(2 * n)}
+             for n in range(1, 5)]  # fmt: skip
+    chat = _chat(("system", "You are terse."), ("user", "Hi"), ("assistant", "Hello."),
+                 ("user", "What is 1 + 1?"))  # fmt: skip
+    test = [
+        {"prompt": chat, "a": "2"},
+        {"prompt": _chat(("user", "What is 100 + 100?")), "a": "200"},
+    ]
+    kwargs = files(tmp_path, train, test) | {"prompt_column": "prompt", "tools": ["calculator"]}
+    env = make_env("agent_grpo/Dataset-v0", **kwargs)
+    messages, _ = env.reset(seed=heldout_seeds(2)[0])
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[0]["content"].startswith("You are terse.")  # the row's own system prompt
+    assert "calculator" in messages[0]["content"]  # with the tool list after it
+    assert messages[1:] == test[0]["prompt"][1:]  # as written, not the text of a Python list
+    messages, _ = env.reset(seed=heldout_seeds(2)[1])
+    assert messages[1:] == [{"role": "user", "content": "What is 100 + 100?"}]
+    assert messages[0]["content"].startswith("Solve the problem.")  # no system message: ours
+    messages, _ = env.reset(seed=train_seeds(1, __import__("random").Random(0))[0])
+    assert messages[1]["content"].startswith("What is") and len(messages) == 2
+    check_env(make_env("agent_grpo/Dataset-v0", **kwargs).unwrapped, skip_render_check=True)
+
+
+@pytest.mark.parametrize(
+    ("cell", "problem"),
+    [
+        ({"role": "user", "content": "hi"}, "holds dict"),
+        ([1, 2], "not chat messages"),
+        ([{"role": "robot", "content": "hi"}], "not chat messages"),
+        (_chat(("user", "a"), ("system", "b")), "system message may only come first"),
+        (_chat(("user", "a"), ("assistant", "b")), "must end with a user message"),
+    ],
+    ids=["dict", "list-of-numbers", "unknown-role", "late-system", "ends-with-assistant"],
+)
+def test_a_prompt_cell_that_is_neither_text_nor_messages_is_one_line(
+    tmp_path: Path, cell: Any, problem: str
+) -> None:
+    # in both splits: `datasets` casts every split to one schema, so a dict cell next to text
+    # cells arrives as its JSON text (a text prompt, which it then is)
+    kwargs = files(tmp_path, [{"prompt": cell, "a": "4"}], [{"prompt": cell, "a": "2"}])
+    with pytest.raises(ValueError, match=re.escape(problem)) as error:
+        DatasetEnv(**kwargs | {"prompt_column": "prompt"})
+    assert "row 0 of 'test'" in str(error.value) and "\n" not in str(error.value)
+
+
 # --- verifiers ---
 
 # Each row checked by hand: (reference, the model's answer line, equal?).
