@@ -18,6 +18,7 @@ BUILTIN_ENVS = {
     "Logs-v0": "agent_grpo.envs.logs:LogsEnv",
     "Notes-v0": "agent_grpo.envs.notes:NotesEnv",
     "PythonSandbox-v0": "agent_grpo.envs.python_sandbox:PythonSandboxEnv",
+    "ReasoningGym-v0": "agent_grpo.envs.reasoning_gym_tasks:ReasoningGymEnv",
     "Search-v0": "agent_grpo.envs.search:SearchEnv",
     "WebApi-v0": "agent_grpo.envs.webapi:WebApiEnv",
 }
