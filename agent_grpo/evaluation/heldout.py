@@ -1,7 +1,15 @@
-"""Held-out evaluation: success rate, mean reward, pass@k, tool use, turns and tokens."""
+"""Held-out evaluation: success rate, mean reward, pass@k, tool use, turns and tokens.
+
+pass@k for every k up to the samples taken uses the unbiased estimator of Chen et al. (2021,
+"Evaluating Large Language Models Trained on Code"): with n samples of a task and c of them
+correct, `1 - C(n - c, k) / C(n, k)`, averaged over tasks. It is the chance that k samples drawn
+without replacement from the n include a correct one; at k = n it is "any of the n solved"
+(`pass_at_k`, kept under that name), and at k = 1 the success rate.
+"""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,6 +31,8 @@ __all__ = [
     "env_stop_strings",
     "evaluate",
     "evaluate_heldout",
+    "pass_at",
+    "pass_at_curve",
     "summarise_eval",
 ]
 
@@ -36,6 +46,8 @@ class EvalResult(BaseModel):
     """k: samples drawn per task."""
     pass_at_k: float
     """Fraction of tasks solved by at least one of their k samples."""
+    pass_at: dict[int, float] = {}
+    """Unbiased pass@k for k = 1 .. the fewest samples any task got (`pass_at_curve`)."""
     summary: TrajectorySummary
     """What the evaluation episodes did (success rate, reward, turns, tool use, ...)."""
 
@@ -47,7 +59,26 @@ class EvalResult(BaseModel):
             "pass_at_k": self.pass_at_k,
             **self.summary.model_dump(),
         }
+        flat |= {f"pass_at_{k}": v for k, v in self.pass_at.items()}
         return {f"eval_{k}": float(v) for k, v in flat.items()}
+
+
+def pass_at(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one task: `1 - C(n - c, k) / C(n, k)` for n samples, c correct."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_at_curve(counts: Sequence[tuple[int, int]]) -> dict[int, float]:
+    """Mean unbiased pass@k over tasks given as (samples, correct), for k = 1 .. the fewest
+    samples of any task (a larger k is not defined for that task)."""
+    if not counts:
+        return {}
+    most = min(n for n, _ in counts)
+    return {k: sum(pass_at(n, c, k) for n, c in counts) / len(counts) for k in range(1, most + 1)}
 
 
 def summarise_eval(records: Sequence[TrajectoryRecord]) -> EvalResult:
@@ -55,10 +86,12 @@ def summarise_eval(records: Sequence[TrajectoryRecord]) -> EvalResult:
     by_task: dict[str, list[TrajectoryRecord]] = defaultdict(list)
     for record in records:
         by_task[record.task_id].append(record)
+    counts = [(len(g), sum(r.success for r in g)) for g in by_task.values()]
     return EvalResult(
         tasks=len(by_task),
         samples_per_task=max((len(v) for v in by_task.values()), default=0),
         pass_at_k=sum(any(r.success for r in g) for g in by_task.values()) / max(1, len(by_task)),
+        pass_at=pass_at_curve(counts),
         summary=summarize_trajectories(records),
     )
 
