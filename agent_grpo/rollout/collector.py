@@ -38,11 +38,14 @@ from agent_grpo.envs.text_env import read_step_info
 from agent_grpo.rollout.backends.base import Generation, GenerationBackend, SamplingConfig
 from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.rollout.context import (
+    POLICY_SUMMARIZER,
+    SUMMARY_HEADER,
     CompactObservations,
     ContextPolicy,
     StopAtLimit,
     load_summarizer,
     rewrite_for,
+    summary_request,
 )
 from agent_grpo.trajectory.invariants import check_branch_renders, check_invariants
 from agent_grpo.trajectory.record import Message, Termination, TrajectoryRecord, TurnRecord
@@ -232,15 +235,43 @@ def _fit_to_context(gen: Generation, room: int) -> tuple[Generation, bool]:
     return cut, True
 
 
-def _make_room(ep: _Episode, config: CollectOptions) -> None:
+def _policy_summary(
+    backend: GenerationBackend,
+    tokenizer: Any,
+    policy: CompactObservations,
+    seed: int,
+    messages: Sequence[Message],
+) -> str:
+    """The policy's own summary of `messages` (`summarizer: policy`): one greedy generation on
+    `summary_request`, its text under the summary header. Not trained, not recorded as ids."""
+    chat = [m.model_dump(exclude_none=True) for m in summary_request(policy, messages)]
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    sampling = SamplingConfig(temperature=0.0, max_tokens=policy.summary_max_tokens)
+    (generation,) = backend.generate([ids], sampling, [seed])
+    text = generation.text or tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+    return f"{SUMMARY_HEADER}\n{text.strip()}"
+
+
+def _make_room(
+    ep: _Episode,
+    config: CollectOptions,
+    backend: GenerationBackend,
+    tokenizer: Any,
+    step: int,
+    turn: int,
+) -> None:
     """Rewrite the oldest observations, as few as the context policy needs, so that a whole
     turn (`sampling.max_tokens`) fits `max_context_tokens`; `stop` leaves the context alone."""
     policy, builder = config.context, ep.builder
     limit = config.max_context_tokens - config.sampling.max_tokens
     if isinstance(policy, StopAtLimit) or builder.context_length <= limit:
         return
-    summarize = None
-    if isinstance(policy, CompactObservations):
+    summarize: Callable[[Sequence[Message]], str] | None = None
+    if isinstance(policy, CompactObservations) and policy.summarizer == POLICY_SUMMARIZER:
+        seed = sampling_seed(config.sampling.seed, step, ep.task, ep.index, turn) ^ 1
+        summarize = functools.partial(_policy_summary, backend, tokenizer, policy, seed)
+    elif isinstance(policy, CompactObservations):
         summarize = load_summarizer(policy.summarizer)
     messages: list[Message] = builder.context_messages
     rewrite: dict[int, Message | None] = {}
@@ -473,7 +504,7 @@ def _run_turn(
     metrics.env_time_s += time.perf_counter() - started
     for ep in stepping:
         if not ep.done:
-            _make_room(ep, config)  # a context policy may rewrite old observations first
+            _make_room(ep, config, backend, tokenizer, step, turn)  # may rewrite old outputs
         if not ep.done and len(ep.builder.token_ids) >= config.max_context_tokens:
             ep.termination = Termination(kind="truncated", reason="max_context")
 

@@ -8,8 +8,12 @@ written by a function of the user's. Every rewrite goes through the token tree
 context and gradient in the branch they were sampled in, and later turns train in the rewritten
 one. The newest `keep_last` observations and every prompt message are never touched.
 
-Departure from peers that summarise with the policy itself (an extra sampled turn, trained or
-not): the summary here is a plain function; a policy-written summary is not built yet.
+The summary is a function of the user's (`summarizer: module:function`), or the policy itself
+(`summarizer: policy`): the collector asks the model being trained, greedily and at most
+`summary_max_tokens`, to summarise the observations under `summary_prompt` (`summary_request`).
+Departure from peers that train that extra turn: its tokens are not trained (no reward is
+attributable to a summary) and not kept as ids; its text takes the observations' place and is
+tokenized as text like every rewritten message, in the new branch. The fork's messages record it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,13 @@ __all__ = [
     "first_lines",
     "load_summarizer",
     "rewrite_for",
+    "summary_request",
 ]
+
+POLICY_SUMMARIZER = "policy"
+"""`summarizer: policy`: the policy being trained writes the summary."""
+SUMMARY_HEADER = "[summary of earlier tool outputs]"
+"""The first line of every summary, so a reader (and the model) can tell it from an output."""
 
 
 class StopAtLimit(ConfigModel):
@@ -74,12 +84,22 @@ class CompactObservations(ConfigModel):
     """The newest observations that are never rewritten."""
     summarizer: str = "agent_grpo.rollout.context:first_lines"
     """`module:function` called with the observations being compacted (a list of `Message`),
-    returning the summary's text; it takes the first observation's place, the others go."""
+    returning the summary's text; it takes the first observation's place, the others go.
+    `policy`: the policy writes it (`summary_prompt`, greedy)."""
+    summary_prompt: str = (
+        "Summarize the tool outputs below in a few short lines. Keep every number, name and "
+        "fact a later step may need; drop everything else."
+    )
+    """`summarizer: policy`: the system message of the summary request; the observations,
+    numbered, are its user message."""
+    summary_max_tokens: int = Field(default=96, ge=1)
+    """`summarizer: policy`: the most tokens the summary may take."""
 
     @field_validator("summarizer")
     @classmethod
     def _loads(cls, path: str) -> str:
-        load_summarizer(path)  # a missing module or function is a config error, before any run
+        if path != POLICY_SUMMARIZER:
+            load_summarizer(path)  # a missing module or function is a config error, up front
         return path
 
 
@@ -92,7 +112,14 @@ ContextPolicy = Annotated[
 def first_lines(messages: Sequence[Message]) -> str:
     """The default summary: each compacted observation's first line, cut to 80 characters."""
     lines = [(m.content.splitlines() or [""])[0][:80] for m in messages]
-    return "[summary of earlier tool outputs]\n" + "\n".join(f"- {line}" for line in lines)
+    return SUMMARY_HEADER + "\n" + "\n".join(f"- {line}" for line in lines)
+
+
+def summary_request(policy: CompactObservations, messages: Sequence[Message]) -> list[Message]:
+    """The chat the policy answers with a summary of `messages` (`summarizer: policy`)."""
+    outputs = "\n\n".join(f"[tool output {i + 1}]\n{m.content}" for i, m in enumerate(messages))
+    return [Message(role="system", content=policy.summary_prompt),
+            Message(role="user", content=outputs)]  # fmt: skip
 
 
 def load_summarizer(path: str) -> Callable[[Sequence[Message]], str]:

@@ -7,15 +7,17 @@ import pytest
 from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
-from agent_grpo.rollout.backends.base import SamplingConfig
+from agent_grpo.rollout.backends.base import Generation, SamplingConfig
 from agent_grpo.rollout.collector import CollectOptions, Task, collect_groups
 from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.rollout.context import (
+    SUMMARY_HEADER,
     CompactObservations,
     DropObservations,
     TruncateObservations,
     first_lines,
     rewrite_for,
+    summary_request,
 )
 from agent_grpo.testing.backends import ScriptedBackend
 from agent_grpo.trajectory.invariants import check_branch_renders
@@ -99,3 +101,58 @@ def test_logs_episodes_under_each_policy(tokenizer: PreTrainedTokenizerBase, pol
     assert all(len(row.token_ids) <= 1100 for row in record.rows())
     # the record keeps every observation as it came back; the branches hold the rewrites
     assert sum(m.content.startswith("errors: ") for m in record.messages) == 3
+
+
+class SummarizingBackend:
+    """The scripted episode, and a fixed summary for a prompt that asks for one (the policy
+    writing its own summary, `summarizer: policy`); remembers the summary requests."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, script: list[str], summary: str):
+        self.episode = ScriptedBackend(tokenizer, script)
+        self.tokenizer, self.summary = tokenizer, summary
+        self.requests: list[tuple[str, SamplingConfig]] = []
+
+    def generate(self, prompts, sampling, seeds):  # type: ignore[no-untyped-def]
+        text = self.tokenizer.decode(prompts[0])
+        if CompactObservations().summary_prompt not in text:
+            return self.episode.generate(prompts, sampling, seeds)
+        self.requests.append((text, sampling))
+        ids = self.tokenizer.encode(self.summary, add_special_tokens=False)
+        return [Generation(ids, [-0.1] * len(ids), "stop", self.summary)]
+
+
+def test_the_policy_writes_the_summary_of_the_outputs_it_replaces(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    backend = SummarizingBackend(tokenizer, [*READS, "Answer: 3"], "svc-7-0 had 1 error")
+    rollout = RolloutConfig.model_validate(
+        {
+            "group_size": 1,
+            "max_context_tokens": 1100,
+            "context": {"type": "compact", "summarizer": "policy", "summary_max_tokens": 24},
+            "sampling": SamplingConfig(max_tokens=40),
+            "check_renders": True,
+        }
+    )
+    result = collect_groups([Task(env_id="agent_grpo/Logs-v0", seed=1)], backend, tokenizer,
+                            CollectOptions.from_config(rollout))  # fmt: skip
+    record = result.records[0]
+    check_branch_renders(record, tokenizer)
+    assert record.termination.reason == "final_answer" and len(record.turns) == 4
+    text, sampling = backend.requests[0]
+    assert "[tool output 1]" in text and "errors: " in text  # the outputs being replaced
+    assert sampling.temperature == 0 and sampling.max_tokens == 24
+    summaries = [m.content for f in record.forks for m in f.messages if m.role == "tool"
+                 and m.content.startswith(SUMMARY_HEADER)]  # fmt: skip
+    assert summaries and summaries[0] == f"{SUMMARY_HEADER}\nsvc-7-0 had 1 error"
+    # the summary's tokens are context in the new branch, never trained: model tokens are the
+    # episode's own turns' tokens, and its four turns are all there is
+    assert record.lengths.model == sum(t.token_end - t.token_start for t in record.turns)
+    assert sum(m.content.startswith("errors: ") for m in record.messages) == 3  # kept as they came
+
+
+def test_summary_request_numbers_the_outputs_under_the_prompt() -> None:
+    policy = CompactObservations(summarizer="policy", summary_prompt="Be brief.")
+    system, user = summary_request(policy, [CONVERSATION[3], CONVERSATION[5]])
+    assert system.content == "Be brief." and system.role == "system"
+    assert user.content == "[tool output 1]\none\nlong\n\n[tool output 2]\ntwo\nlong"
