@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from load import MAX_FOREIGN_CORES, LoadWindow
+from load import MAX_FOREIGN_CORES, LoadWindow, process_tree_cpu_s
 
 __all__ = [
     "ChildResult",
@@ -148,12 +148,15 @@ def write_child_result(path: str | Path, result: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(result))
 
 
-def _wait(pid: int, deadline: float) -> tuple[int | None, float]:
-    """Exit status and ru_maxrss (MiB) of `pid`, or (None, nan) past the deadline."""
+def _wait(pid: int, deadline: float, window: LoadWindow | None = None) -> tuple[int | None, float]:
+    """Exit status and ru_maxrss (MiB) of `pid`, or (None, nan) past the deadline; samples
+    `window`'s bursts meanwhile."""
     while time.monotonic() < deadline:
         done, status, usage = os.wait4(pid, os.WNOHANG)
         if done:
             return os.waitstatus_to_exitcode(status), usage.ru_maxrss / _MB
+        if window is not None:
+            window.sample(lambda: process_tree_cpu_s(pid))
         time.sleep(0.2)
     return None, float("nan")
 
@@ -186,7 +189,7 @@ def run_isolated(
                 proc = subprocess.Popen(
                     argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
                 )
-            code, max_rss = _wait(proc.pid, started + timeout_s)
+            code, max_rss = _wait(proc.pid, started + timeout_s, window)
             proc.returncode = code  # reaped by wait4 already; keep Popen from waiting again
             if code is None:
                 _stop_group(proc.pid)

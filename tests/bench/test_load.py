@@ -3,6 +3,8 @@ busy machine cannot pass for a quiet one; `bench/report.py` quotes no busy resul
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -71,3 +73,26 @@ def test_a_busy_result_is_refused_not_quoted(name: str) -> None:
     assert f"## {name}\n\nThe latest run" in page and "is not quoted" in page
     assert "trl: no clean run" in page and "busy: not quoted" in page
     assert "| trl |" not in page and "x TRL" not in page
+
+
+def test_a_burst_the_mean_would_hide_makes_a_sampled_window_busy() -> None:
+    # one core of someone else's work (not our child: started before, reaped after) for the
+    # first ~5 s of a 15 s window: the mean is about a third of a core, a burst a whole one
+    from load import BURST_S, MAX_BURST_CORES, process_tree_cpu_s
+
+    burner = subprocess.Popen(BURN)
+    try:
+        with LoadWindow(max_foreign_cores=0.9) as window:
+            stop_at = time.monotonic() + BURST_S + 0.5
+            end = time.monotonic() + 3 * BURST_S
+            while time.monotonic() < end:
+                if burner.poll() is None and time.monotonic() > stop_at:
+                    os.kill(burner.pid, signal.SIGSTOP)  # quiet from here on
+                window.sample()
+                time.sleep(0.2)
+    finally:
+        burner.kill()
+        burner.wait()
+    assert window.foreign_cores < 0.9 < window.burst_cores  # the mean alone would pass it
+    assert window.burst_cores > MAX_BURST_CORES and window.busy
+    assert process_tree_cpu_s(os.getpid()) > 0  # this process's own CPU, read from /proc
