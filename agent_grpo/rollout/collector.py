@@ -243,10 +243,9 @@ def _policy_summary(
     messages: Sequence[Message],
 ) -> str:
     """The policy's own summary of `messages` (`summarizer: policy`): one greedy generation on
-    `summary_request`, its text under the summary header. Not trained, not recorded as ids."""
-    chat = [m.model_dump(exclude_none=True) for m in summary_request(policy, messages)]
-    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    `summary_request`, its text under the summary header. Not trained, not recorded as ids.
+    The request is built like every prompt (`TokenBuilder`), so tool text in it stays text."""
+    ids = list(TokenBuilder(tokenizer, summary_request(policy, messages)).token_ids)
     sampling = SamplingConfig(temperature=0.0, max_tokens=policy.summary_max_tokens)
     (generation,) = backend.generate([ids], sampling, [seed])
     text = generation.text or tokenizer.decode(generation.token_ids, skip_special_tokens=True)
