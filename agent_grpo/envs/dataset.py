@@ -5,7 +5,8 @@ with the columns, splits and verifier named in `env.kwargs` (`DatasetEnvConfig`;
 a one-line error naming what there is). Without kwargs it is the shipped arithmetic word problems.
 A prompt cell is either text (the user message) or, as in TRL's conversational datasets, a list
 of `{role, content}` messages ending with a user message (a leading system message replaces
-the system prompt; the tool list is still appended).
+the system prompt; the tool list is still appended). Tools are built-ins, `module:attribute`
+paths, and an MCP server's (`mcp_server`, started at the first reset, like Notes-v0's).
 
 A training seed picks a row of the train split with the seed's generator. Held-out seeds walk the
 held-out split in order (`heldout_seeds(n)` is its first `n` rows, each once), so `eval.tasks`
@@ -27,7 +28,9 @@ from pydantic import Field, ValidationError
 from agent_grpo.envs.answers import exact_verdict, text_verdict
 from agent_grpo.envs.dataset_rows import DatasetSource, DatasetTask, load_tasks
 from agent_grpo.envs.math_verdicts import math_verdict, regex_verdict
-from agent_grpo.envs.text_env import HELDOUT_SEEDS, ToolEnv, Verdict
+from agent_grpo.envs.mcp_env import McpWorkspace
+from agent_grpo.envs.text_env import HELDOUT_SEEDS, Messages, ToolEnv, Verdict
+from agent_grpo.tools.mcp_client import McpServer
 from agent_grpo.tools.tool import Tool
 
 __all__ = ["TOOLS", "DatasetEnv", "DatasetEnvConfig", "named_tool"]
@@ -50,6 +53,9 @@ class DatasetEnvConfig(DatasetSource):
 
     tools: list[str] = []
     """Tools the model may call: `calculator`, `python`, or `module:attribute` paths."""
+    mcp_server: McpServer | None = None
+    """An MCP server whose tools the model may also call (`{command: [...]}` or `{url: ...}`,
+    docs/mcp.md); its tool names must differ from `tools`'."""
     system_prompt: str = (
         "Solve the problem. End your reply with the final answer on its own line as: "
         "Answer: <answer>"
@@ -70,8 +76,10 @@ def _config(kwargs: dict[str, Any]) -> DatasetEnvConfig:
             known = sorted({*DatasetEnvConfig.model_fields, *_TOOL_ENV_KWARGS})
             problems += f" (known: {', '.join(known)})"
         raise ValueError(f"Dataset-v0 kwargs: {problems}") from None
-    if config.expert_call and config.expert_call.tool not in config.tools:
-        raise ValueError(f"expert_call tool {config.expert_call.tool!r} is not in tools")
+    # a server's tool names are known once it runs: then this is checked at the first reset
+    call = config.expert_call
+    if call and call.tool not in config.tools and config.mcp_server is None:
+        raise ValueError(f"expert_call tool {call.tool!r} is not in tools")
     return config
 
 
@@ -96,12 +104,32 @@ class DatasetEnv(ToolEnv[DatasetTask]):
         if self.config.verifier == "math" and importlib.util.find_spec("math_verify") is None:
             raise ImportError("verifier math needs math-verify: pip install 'agent-grpo[datasets]'")
         self.tasks = load_tasks(self.config)
-        self.tools = [named_tool(name) for name in self.config.tools]
+        self.named_tools = [named_tool(name) for name in self.config.tools]
+        self.tools = list(self.named_tools)
         self.system_prompt = self.config.system_prompt
+        server = self.config.mcp_server
+        self.workspace = None if server is None else McpWorkspace(server)
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Messages, dict[str, Any]]:
+        """Take the MCP server's tools if there is one (listed once), then start the episode."""
+        if self.workspace is not None:
+            self.tools = _all_tools(self.named_tools, self.workspace.tools(), self.config)
+        return super().reset(seed=seed, options=options)
+
+    def close(self) -> None:
+        """Stop the MCP server, if there is one; a later reset starts it again."""
+        if self.workspace is not None:
+            self.workspace.close()
+        super().close()
 
     def render_system_prompt(self) -> str:
         """The system prompt, and the tool list when there are tools."""
-        return super().render_system_prompt() if self.tools else self.system_prompt
+        return self._system_text(self.system_prompt)
+
+    def _system_text(self, prompt: str) -> str:
+        return self.with_tool_list(prompt) if self.tools else prompt
 
     def generate_task(self, rng: np.random.Generator) -> DatasetTask:
         """A random training row, or the held-out row at this seed's place in `HELDOUT_SEEDS`."""
@@ -121,11 +149,9 @@ class DatasetEnv(ToolEnv[DatasetTask]):
         if not task.messages:
             return super().opening_messages(task)
         messages = [m.model_dump() for m in task.messages]
-        if messages[0]["role"] == "system":
-            self.system_prompt = messages.pop(0)["content"]
-        else:
-            self.system_prompt = self.config.system_prompt
-        return [{"role": "system", "content": self.render_system_prompt()}, *messages]
+        prompt = messages.pop(0)["content"] if messages[0]["role"] == "system" else None
+        system = self._system_text(self.system_prompt if prompt is None else prompt)
+        return [{"role": "system", "content": system}, *messages]
 
     def verify(self, task: DatasetTask, answer: str) -> Verdict:
         """The configured verifier on the `Answer:` line against the row's reference."""
@@ -140,7 +166,27 @@ class DatasetEnv(ToolEnv[DatasetTask]):
         if self.config.verifier == "regex":
             raise NotImplementedError("Dataset-v0 has no expert for regex references")
         call = self.config.expert_call
-        name = named_tool(call.tool).name if call else None
+        name = _tool_name(call.tool, self.config) if call else None
         if name and not any(c.name == name and c.error is None for c in self.tool_calls):
             return self.call(name, **self.task.expert_arguments)
         return f"Answer: {self.task.answer}"
+
+
+def _tool_name(entry: str, config: DatasetEnvConfig) -> str:
+    """The name the model calls the tool `tools:` (or the server) lists as `entry` by."""
+    return named_tool(entry).name if entry in config.tools else entry
+
+
+def _all_tools(named: list[Tool], served: list[Tool], config: DatasetEnvConfig) -> list[Tool]:
+    """The named tools, then the server's; a name in both, or an `expert_call` tool in neither,
+    is a one-line error (McpServer's listing is only known once it runs)."""
+    clash = sorted({t.name for t in named} & {t.name for t in served})
+    if clash:
+        raise ValueError(f"Dataset-v0: the MCP server's tools {clash} clash with tools'")
+    names = {t.name for t in served} | set(config.tools)
+    if config.expert_call and config.expert_call.tool not in names:
+        raise ValueError(
+            f"expert_call tool {config.expert_call.tool!r} is neither in tools nor the "
+            f"MCP server's {sorted(t.name for t in served)}"
+        )
+    return [*named, *served]

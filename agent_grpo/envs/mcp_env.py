@@ -1,8 +1,11 @@
-"""`McpToolEnv`: a tool environment whose tools are an MCP server's.
+"""MCP servers as an env's tools: `McpWorkspace` (one server and its private folder) and
+`McpToolEnv`, a tool environment whose tools are a server's.
 
-A subclass is a task generator and a verifier, as for any `ToolEnv`, plus the server
+A `McpToolEnv` subclass is a task generator and a verifier, as for any `ToolEnv`, plus the server
 (`mcp_server`, or the constructor's `mcp_server=` from a config). The first `reset()` starts the
-server and lists its tools; `close()` stops it. Where we depart from a plain `ToolEnv`:
+server and lists its tools; `close()` stops it. Other envs that take a server among their tools
+(Dataset-v0's `mcp_server`) hold a `McpWorkspace` the same way. Where we depart from a plain
+`ToolEnv`:
 
 - Each env gets a private `workdir`, and `{workdir}` in the server's command, `env` and `cwd`
   stands for it: a server restarted after a crash or a hang has lost its memory, so episode
@@ -21,10 +24,32 @@ from typing import Any, ClassVar, TypeVar
 
 from agent_grpo.envs.text_env import ToolEnv
 from agent_grpo.tools.mcp_client import McpClient, McpServer
+from agent_grpo.tools.tool import Tool
 
-__all__ = ["McpServer", "McpToolEnv", "with_workdir"]
+__all__ = ["McpServer", "McpToolEnv", "McpWorkspace", "with_workdir"]
 
 TaskT = TypeVar("TaskT")
+
+
+class McpWorkspace:
+    """One MCP server for one env, with a private `workdir` (`{workdir}` in its command, env and
+    cwd). The server starts when its tools are first asked for; `close()` stops it and removes
+    the folder, and so does dropping the workspace without closing it."""
+
+    def __init__(self, server: McpServer | Mapping[str, Any]) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="agent-grpo-mcp-"))
+        self.client = McpClient(with_workdir(McpServer.model_validate(server), self.workdir))
+        self._release = weakref.finalize(self, _release, self.client, self.workdir)
+
+    def tools(self) -> list[Tool]:
+        """The server's tools (listed once, which starts it); recreates `workdir` if a `close()`
+        removed it and the env is used again."""
+        self.workdir.mkdir(exist_ok=True)
+        return self.client.tools()
+
+    def close(self) -> None:
+        """Stop the server and remove `workdir`; a later `tools()` starts over."""
+        _release(self.client, self.workdir)
 
 
 class McpToolEnv(ToolEnv[TaskT]):
@@ -41,11 +66,9 @@ class McpToolEnv(ToolEnv[TaskT]):
         server = mcp_server if mcp_server is not None else type(self).mcp_server
         if server is None:
             raise ValueError(f"{type(self).__name__} needs an mcp_server")
-        # A private directory for the server's files: `{workdir}` in its command, env and cwd.
-        self.workdir = Path(tempfile.mkdtemp(prefix="agent-grpo-mcp-"))
-        self.mcp = McpClient(with_workdir(McpServer.model_validate(server), self.workdir))
-        # Stops the server and removes the directory even if the env is dropped without close().
-        self._release = weakref.finalize(self, _release, self.mcp, self.workdir)
+        self.workspace = McpWorkspace(server)
+        self.mcp = self.workspace.client  # what subclasses call (`self.mcp.call_tool`)
+        self.workdir = self.workspace.workdir
 
     def prepare(self, task: TaskT) -> None:
         """Set the server's state up for `task`, after the task is drawn (default: nothing)."""
@@ -54,8 +77,7 @@ class McpToolEnv(ToolEnv[TaskT]):
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[list[dict[str, str]], dict[str, Any]]:
         """Take the server's tools (listed once), draw the task and `prepare` the server."""
-        self.workdir.mkdir(exist_ok=True)  # close() removed it, and the env is used again
-        self.tools = self.mcp.tools()
+        self.tools = self.workspace.tools()
         messages, info = super().reset(seed=seed, options=options)
         assert self.task is not None
         self.prepare(self.task)
@@ -63,7 +85,7 @@ class McpToolEnv(ToolEnv[TaskT]):
 
     def close(self) -> None:
         """Stop the server and remove `workdir`; a later reset starts over."""
-        _release(self.mcp, self.workdir)
+        self.workspace.close()
         super().close()
 
 

@@ -396,8 +396,12 @@ class ToolEnv(TextEnv[TaskT]):
 
     def render_system_prompt(self) -> str:
         """The system prompt followed by the tool list in the call format's words."""
+        return self.with_tool_list(self.system_prompt)
+
+    def with_tool_list(self, prompt: str) -> str:
+        """`prompt` followed by the tool list in the call format's words."""
         schemas = [t.json_schema() for t in self.tools]
-        return f"{self.system_prompt}\n\n{self.tool_call_format.render_tools(schemas)}"
+        return f"{prompt}\n\n{self.tool_call_format.render_tools(schemas)}"
 
     def call(self, name: str, **arguments: Any) -> str:
         """The text of one tool call in this env's format (for expert policies)."""

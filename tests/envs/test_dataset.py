@@ -11,6 +11,7 @@ two GRPO steps on the shipped config.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -445,6 +446,67 @@ def test_docs_example_runs(tmp_path: Path, monkeypatch: Any, capsys: Any) -> Non
     config = load_config(TrainConfig, tmp_path / "my-data.yaml")
     env = make_env(config.env.id, **config.env.kwargs)
     assert prompt(env, heldout_seeds(1)[0]) == "What is 7 * 8?"
+
+
+CAPITALS = [("France", "Paris"), ("Peru", "Lima"), ("Kenya", "Nairobi"), ("Japan", "Tokyo")]
+
+
+def capitals_example(tmp_path: Path, monkeypatch: Any) -> TrainConfig:
+    """The docs' MCP example written into `tmp_path` (the current directory), with its data:
+    the config it loads. `python` in the server command is this interpreter."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    server = next(b for b in docs_blocks("python") if b.startswith("# capitals_server.py"))
+    (tmp_path / "capitals_server.py").write_text(server)
+    rows = [{"q": f"What is the capital of {c}?", "a": city, "country": c} for c, city in CAPITALS]
+    (tmp_path / "capitals").mkdir()
+    write_jsonl(tmp_path / "capitals" / "train.jsonl", rows[:2])
+    write_jsonl(tmp_path / "capitals" / "test.jsonl", rows[2:])
+    config = next(b for b in docs_blocks("yaml") if b.startswith("# capitals.yaml"))
+    (tmp_path / "capitals.yaml").write_text(config)
+    return load_config(TrainConfig, tmp_path / "capitals.yaml")
+
+
+def test_docs_mcp_example_calls_the_servers_tool(tmp_path: Path, monkeypatch: Any) -> None:
+    config = capitals_example(tmp_path, monkeypatch)
+    env = make_env(config.env.id, **config.env.kwargs)
+    check_env(env.unwrapped, skip_render_check=True)  # starts the server
+    episodes = [run_expert(env, seed) for seed in heldout_seeds(2)]
+    assert [e.success for e in episodes] == [True, True]
+    assert [e.messages[3].content for e in episodes] == ["Nairobi", "Tokyo"]  # the server's
+    messages, _ = env.reset(seed=heldout_seeds(1)[0])
+    assert '"name": "capital"' in messages[0]["content"]  # the schema the model sees
+    call = '<tool_call>{"name": "capital", "arguments": {"country": "Mars"}}</tool_call>'
+    observation = env.step(call)[0][0]["content"]
+    assert observation.startswith("Error: tool capital raised McpToolError: no country 'Mars'")
+    env.close()
+    assert not env.unwrapped.workspace.workdir.exists()  # type: ignore[attr-defined]
+
+
+def test_a_server_tool_named_like_a_listed_tool_is_one_line_at_the_first_reset(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    config = capitals_example(tmp_path, monkeypatch)
+    server = tmp_path / "capitals_server.py"
+    server.write_text(server.read_text().replace("def capital(", "def calculator("))
+    env = make_env(config.env.id, **{**config.env.kwargs, "tools": ["calculator"],
+                                     "expert_call": None})  # fmt: skip
+    with pytest.raises(ValueError, match=r"^Dataset-v0: the MCP server's tools \['calculator'\] "
+                                         r"clash with tools'$"):  # fmt: skip
+        env.reset(seed=heldout_seeds(1)[0])
+    env.close()
+
+
+def test_an_expert_call_to_no_tool_is_one_line_at_the_first_reset(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    config = capitals_example(tmp_path, monkeypatch)
+    expert_call = {"tool": "capitol", "arguments": {"country": "country"}}
+    env = make_env(config.env.id, **{**config.env.kwargs, "expert_call": expert_call})
+    with pytest.raises(ValueError, match=r"^expert_call tool 'capitol' is neither in tools nor "
+                                         r"the MCP server's \['capital'\]$"):  # fmt: skip
+        env.reset(seed=heldout_seeds(1)[0])
+    env.close()
 
 
 def test_docs_table_lists_every_kwarg() -> None:
