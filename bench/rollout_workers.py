@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import PreTrainedModel
-from vllm_serve import vllm_server
 
 from agent_grpo.config.base import ConfigModel
 from agent_grpo.envs.registry import make_env
@@ -33,6 +32,7 @@ from agent_grpo.models.loading import load_model, load_tokenizer
 from agent_grpo.rollout.backends.base import Generation, GenerationBackend, SamplingConfig
 from agent_grpo.rollout.collector import CollectOptions, Task, collect_groups
 from agent_grpo.rollout.config import RolloutConfig
+from agent_grpo.testing.vllm_serve import vllm_server
 
 __all__ = [
     "RolloutSpec",

@@ -31,7 +31,6 @@ from agent_grpo.trajectory.record import (
     Provenance,
     Termination,
     TrajectoryRecord,
-    TurnRecord,
 )
 from agent_grpo.trajectory.tokens import (
     ChatTemplateError,
@@ -166,17 +165,7 @@ def _episode(
         forks=builder.forks(),
         termination=Termination(kind="truncated", reason="conform"),
         lengths=builder.lengths(),
-        turns=[
-            TurnRecord(
-                index=s.index,
-                model_text=s.model_text,
-                token_start=s.start,
-                token_end=s.end,
-                finish_reason="stop",
-                branch=s.branch,
-            )
-            for s in spans
-        ],
+        turns=[s.record() for s in spans],
     )
     return record, contexts, sampled
 

@@ -302,14 +302,7 @@ def _generate_turn(
 
 def _record_model_turn(ep: _Episode, gen: Generation, turn: int) -> TurnRecord:
     span = ep.builder.add_model_turn(gen.token_ids, gen.logprobs)
-    record = TurnRecord(
-        index=turn,
-        model_text=span.model_text,
-        token_start=span.start,
-        token_end=span.end,
-        finish_reason=gen.finish_reason,
-        branch=span.branch,
-    )
+    record = span.record(gen.finish_reason, index=turn)
     ep.turns.append(record)
     return record
 

@@ -171,17 +171,7 @@ def calculator_record(
 
 def builder_record(builder: TokenBuilder, **overrides: Any) -> TrajectoryRecord:
     """A record holding exactly what the builder built."""
-    turns = [
-        TurnRecord(
-            index=s.index,
-            model_text=s.model_text,
-            token_start=s.start,
-            token_end=s.end,
-            finish_reason="stop",
-            branch=s.branch,
-        )
-        for s in builder.turn_spans
-    ]
+    turns = [s.record() for s in builder.turn_spans]
     builder.finish()
     root = builder.root()
     fields: dict[str, Any] = {

@@ -45,16 +45,7 @@ def expert_record(
             action = env.unwrapped.expert_action()  # type: ignore[attr-defined]
             ids = [*tokenizer.encode(action, add_special_tokens=False), turn_end]
             span = builder.add_model_turn(ids, [0.0] * len(ids))
-            turns.append(
-                TurnRecord(
-                    index=span.index,
-                    model_text=span.model_text,
-                    token_start=span.start,
-                    token_end=span.end,
-                    finish_reason="stop",
-                    branch=span.branch,
-                )
-            )
+            turns.append(span.record())
             obs, step_reward, terminated, truncated, _ = env.step(action)
             reward = float(step_reward)
             done = terminated or truncated

@@ -31,6 +31,7 @@ from agent_grpo.trajectory.record import (
     Provenance,
     TokenBranch,
     TokenRow,
+    TurnRecord,
 )
 from agent_grpo.trajectory.tokens import (
     ChatTemplateError,
@@ -63,6 +64,18 @@ class TurnSpan:
     not repeat."""
     branch: int = 0
     """The branch the turn was sampled in (and is trained in)."""
+
+    def record(self, finish_reason: str = "stop", index: int | None = None) -> TurnRecord:
+        """The turn's record: where its tokens lie, its text, and why sampling stopped (a
+        scripted turn stops by itself). `index` overrides the span's turn number."""
+        return TurnRecord(
+            index=self.index if index is None else index,
+            model_text=self.model_text,
+            token_start=self.start,
+            token_end=self.end,
+            finish_reason=finish_reason,
+            branch=self.branch,
+        )
 
 
 @dataclass

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from agent_grpo.algo.grpo import group_advantages, policy_loss
 from agent_grpo.models.logprobs import token_logprobs
+from agent_grpo.testing.tiny_model import tiny_model_config
 
 
 def test_logits_bandit_learns_the_rewarded_arm() -> None:
@@ -38,16 +39,7 @@ def test_logits_bandit_learns_the_rewarded_arm() -> None:
 
 def _tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(tiny_model_config())
 
 
 CANDIDATES = torch.tensor([100, 200, 300, 400])

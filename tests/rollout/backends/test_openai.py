@@ -4,21 +4,15 @@ server, and token-exact generation against a real `vllm serve` subprocess."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -35,6 +29,7 @@ from agent_grpo.rollout.backends.openai import (
 )
 from agent_grpo.rollout.collector import CollectOptions
 from agent_grpo.testing.tiny_model import save_tiny_llama
+from agent_grpo.testing.vllm_serve import vllm_server
 
 EOS = 2
 
@@ -263,64 +258,14 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[i
     return ids, logprobs
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_healthy(process: subprocess.Popen[bytes], url: str, log: Path, limit_s: float) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"vllm serve exited {process.returncode}:\n{log.read_text()[-3000:]}"
-            )
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"vllm serve not healthy after {limit_s}s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's own process group (API server, engine core, worker), then SIGKILL."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tokenizer) -> Iterator[tuple[LlamaForCausalLM, str]]:
     pytest.importorskip("vllm")
     path = tmp_path_factory.mktemp("served-tiny")
     model = save_tiny_llama(path / "model", tokenizer)
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(path / "model"), "--served-model-name", "tiny",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
-        "--kv-cache-memory-bytes", str(64 << 20),
-        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-    ]  # fmt: skip
-    log = path / "server.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    try:
-        _wait_healthy(process, f"http://127.0.0.1:{port}/health", log, limit_s=600)
-        yield model, f"http://127.0.0.1:{port}/v1"
-    finally:
-        _stop(process)
+    flags = ["--max-model-len", "2048", "--kv-cache-memory-bytes", str(64 << 20)]
+    with vllm_server(str(path / "model"), flags, path / "server.log", 600, name="tiny") as url:
+        yield model, url
 
 
 @pytest.mark.slow
