@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from fractions import Fraction
+from typing import TypeVar
 
 from agent_grpo.envs.text_env import Verdict
+
+N = TypeVar("N")
 
 __all__ = [
     "ANSWER_FORMAT",
@@ -67,14 +71,7 @@ def parse_number(text: str) -> Fraction | None:
 
 def number_verdict(text: str, expected: int | Fraction) -> Verdict:
     """Success iff the answer line's first number equals `expected`."""
-    answer = extract_answer(text)
-    if answer is None:
-        return Verdict(success=False, expected=str(expected), detail="no 'Answer:' line")
-    value = parse_number(answer)
-    if value is None:
-        return Verdict(success=False, expected=str(expected), given=answer, detail="no number")
-    ok = value == expected
-    return Verdict(success=ok, expected=str(expected), given=answer, detail="" if ok else "wrong")
+    return _numeric_verdict(text, str(expected), parse_number, lambda value: value == expected)
 
 
 def parse_float(text: str) -> float | None:
@@ -90,14 +87,25 @@ def float_verdict(
     """Success iff the answer line's first number is within tolerance of `expected`
     (`math.isclose`: relative `rel_tol`, or absolute `abs_tol` for answers near zero), for
     answers no exact value can be asked for (a root, a mean, a physical quantity)."""
+
+    def close(value: float) -> bool:
+        return math.isclose(value, float(expected), rel_tol=rel_tol, abs_tol=abs_tol)
+
+    return _numeric_verdict(text, str(expected), parse_float, close)
+
+
+def _numeric_verdict(
+    text: str, expected: str, parse: Callable[[str], N | None], matches: Callable[[N], bool]
+) -> Verdict:
+    """The verdict on the answer line's first number, read by `parse` and judged by `matches`."""
     answer = extract_answer(text)
     if answer is None:
-        return Verdict(success=False, expected=str(expected), detail="no 'Answer:' line")
-    value = parse_float(answer)
+        return Verdict(success=False, expected=expected, detail="no 'Answer:' line")
+    value = parse(answer)
     if value is None:
-        return Verdict(success=False, expected=str(expected), given=answer, detail="no number")
-    ok = math.isclose(value, float(expected), rel_tol=rel_tol, abs_tol=abs_tol)
-    return Verdict(success=ok, expected=str(expected), given=answer, detail="" if ok else "wrong")
+        return Verdict(success=False, expected=expected, given=answer, detail="no number")
+    ok = matches(value)
+    return Verdict(success=ok, expected=expected, given=answer, detail="" if ok else "wrong")
 
 
 def _words(text: str) -> list[str]:
