@@ -62,6 +62,15 @@ CORRECTIONS = {
         "behaviour",
     ),
 }
+TURN_CREDIT = {
+    "RLOO, episode advantage only": dict(RLOO),
+    "RLOO + turn credit (leave-one-out steps), omega 1": RLOO | {"turn_credit": {"weight": 1.0}},
+    "GiGPO (mean baselines, unscaled), omega 1": {"scale": "none", "aggregation": SUM_NORM,
+                                                   "turn_credit": {"weight": 1.0}},
+    "GiGPO (mean baselines, std-scaled), omega 1": {"aggregation": SUM_NORM,
+                                                     "turn_credit": {"weight": 1.0}},
+}  # fmt: skip
+"""Turn-level credit against the episode advantage alone (on-policy)."""
 FAILURE_RATE = 0.2
 """Chance an episode fails, in the failure models below."""
 
@@ -136,6 +145,11 @@ def run_meter(batches: int, seed: int) -> dict[str, Any]:
                 objective = Objective(name, algo, failures=Failures(probability, mode))  # type: ignore[arg-type]
                 got = measure(objective, task, logits, batches=max(batches // 2, 100), seed=seed)
                 failed.append(_row(name, got))
+    credit = []
+    for name, settings in TURN_CREDIT.items():
+        got = measure(Objective(name, AlgoConfig(**settings)), task, logits,  # type: ignore[arg-type]
+                      batches=max(batches // 2, 100), seed=seed)  # fmt: skip
+        credit.append(_row(name, got))
     ref = initial_logits(task, seed=1)
     exact = exact_kl_gradient(logits, ref, task)
     kl = []
@@ -150,7 +164,7 @@ def run_meter(batches: int, seed: int) -> dict[str, Any]:
             "norm_ratio": norm / float(exact.norm()),
         })  # fmt: skip
     return {"on_policy": on_policy, "groups_of_16": groups, "staleness": stale,
-            "failures": failed, "kl": kl}  # fmt: skip
+            "failures": failed, "turn_credit": credit, "kl": kl}  # fmt: skip
 
 
 def _cells(row: dict[str, Any]) -> list[Any]:
@@ -186,6 +200,7 @@ def markdown(payload: dict[str, Any]) -> str:
     stale = _md_table(["staleness", *COLUMNS[:6]],
                       [[row["staleness"], *_cells(row)[:6]] for row in r["staleness"]])  # fmt: skip
     failed = _md_table(COLUMNS, [_cells(row) for row in r.get("failures", [])])
+    credit = _md_table(COLUMNS[:6], [_cells(row)[:6] for row in r.get("turn_credit", [])])
     kl = _md_table(["per-token KL as a loss", "cos", "coef", "norm / exact"],
                    [[row["estimator"], row["cos"], row["coef"], row["norm_ratio"]]
                     for row in r["kl"]])  # fmt: skip
@@ -201,6 +216,10 @@ def markdown(payload: dict[str, Any]) -> str:
         f"**Partial groups after failures** (each episode fails with the chance its model "
         f"gives, {FAILURE_RATE:.0%} or twice that; `rollout.on_failure`; seq-mean-token-sum-norm)",
         failed,
+        "**Turn-level credit** (on-policy, seq-mean-token-sum-norm; `coef` and the errors with "
+        "the nominal normaliser divided by 1 + omega: 1 is the policy gradient, once per "
+        "estimate the advantage sums)",
+        credit,
         "**KL estimators** against the gradient of the episode's KL(pi || pi_ref) (exact sums, "
         "no sampling)",
         kl,

@@ -68,8 +68,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 49152, (args.rows, args.tokens), generator=g)
     model_tokens = torch.arange(args.tokens)[None].expand(args.rows, -1) >= args.tokens // 2
+    advantages = torch.randn(args.rows, generator=g)[:, None].repeat(1, args.tokens)  # [B, T]
     batch = PackedBatch(ids, torch.ones_like(ids), model_tokens.clone(),
-                        torch.full(ids.shape, -1.0), torch.randn(args.rows, generator=g),
+                        torch.full(ids.shape, -1.0), advantages, torch.arange(args.rows),
                         torch.arange(args.rows))  # fmt: skip
     started = time.perf_counter()
     with PeakWindow() as window:

@@ -14,7 +14,7 @@ from agent_grpo.algo.grpo import Aggregation, KLKind, RatioLevel, advantage_scal
 from agent_grpo.algo.masking import MaskLevel
 from agent_grpo.config.base import ConfigModel
 
-__all__ = ["AlgoConfig", "MaskConfig", "SpeedConfig"]
+__all__ = ["AlgoConfig", "MaskConfig", "SpeedConfig", "TurnCreditConfig"]
 
 
 class MaskConfig(ConfigModel):
@@ -30,6 +30,19 @@ class MaskConfig(ConfigModel):
     level: MaskLevel = "token"
     """`token`: each token's own ratio; `sequence`: the product of a row's token ratios, the
     whole row kept or dropped (verl's `rollout_rs: sequence`)."""
+
+
+class TurnCreditConfig(ConfigModel):
+    """Turn-level credit (GiGPO's step-level groups, `agent_grpo.algo.turn_credit`): each turn's
+    tokens get the episode advantage plus `weight` times a step advantage, the turn's return
+    compared with the returns of the group's turns from the same state."""
+
+    type: Literal["gigpo"] = "gigpo"
+    """The credit rule (one so far)."""
+    weight: float = Field(default=1.0, ge=0.0)
+    """omega, the step advantage's weight (GiGPO: 1)."""
+    discount: float = Field(default=1.0, gt=0.0, le=1.0)
+    """gamma of the turns' returns-to-go (GiGPO: 0.95)."""
 
 
 class SpeedConfig(ConfigModel):
@@ -119,6 +132,9 @@ class AlgoConfig(ConfigModel):
     max_staleness: int = Field(default=0, ge=0)
     """Asynchronous GRPO: workers sample up to this many policy versions ahead of the trainer
     (0: synchronous). Needs `rollout.workers.type: ray`; a group older than this is dropped."""
+    turn_credit: TurnCreditConfig | None = None
+    """Turn-level credit for multi-turn episodes (`TurnCreditConfig`; GiGPO); None: every token
+    of an episode takes the episode's advantage."""
     speed: SpeedConfig = SpeedConfig()
     """Speed and memory switches that never change the result (`SpeedConfig`)."""
 
@@ -155,6 +171,12 @@ class AlgoConfig(ConfigModel):
             raise ValueError(
                 f"algo.max_tokens is the normaliser of aggregation seq-mean-token-sum-norm; "
                 f"with aggregation {self.aggregation} it would be ignored"
+            )
+        if self.turn_credit is not None and self.leave_one_out and self.scale == "group":
+            raise ValueError(
+                "algo.turn_credit with leave_one_out is the unbiased step baseline, which is "
+                "unscaled: scale: group would weight states by how little their returns vary. "
+                "Drop scale, or leave_one_out for GiGPO's scaled mean baseline"
             )
         if self.speed.optimizer_in_backward and self.max_grad_norm is not None:
             raise ValueError(

@@ -16,6 +16,7 @@ import torch
 
 from agent_grpo.algo.config import AlgoConfig
 from agent_grpo.algo.grpo import group_advantages, has_reward_variance
+from agent_grpo.algo.turn_credit import turn_advantages
 from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "dead_group_mask",
     "group_indices",
     "trainable_rows",
+    "turn_advantages_of",
 ]
 
 
@@ -69,6 +71,38 @@ def advantages_of(records: Sequence[TrajectoryRecord], algo: AlgoConfig) -> torc
         scale=algo.advantage_scale,
         leave_one_out=algo.leave_one_out,
     )
+
+
+def turn_advantages_of(
+    records: Sequence[TrajectoryRecord], algo: AlgoConfig, episode: torch.Tensor
+) -> list[list[float]]:
+    """Each record's per-turn advantages under `algo.turn_credit` (`turn_credit.turn_advantages`):
+    `episode` `[B]` (`advantages_of`) plus `weight` times the turn's step advantage, its return
+    compared with those of the group's turns from the same state (`TurnRecord.state`)."""
+    credit = algo.turn_credit
+    assert credit is not None
+    width = max((len(r.turns) for r in records), default=0)
+    turn_rewards = torch.zeros(len(records), width, dtype=torch.float64)  # [B, K]
+    step_groups = torch.zeros(len(records), width, dtype=torch.long)  # [B, K]
+    ids: dict[tuple[str, str], int] = {}
+    for b, record in enumerate(records):
+        for t, turn in enumerate(record.turns):
+            turn_rewards[b, t] = turn.reward
+            step_groups[b, t] = ids.setdefault((record.group_id, turn.state), len(ids))
+    advantages = turn_advantages(
+        episode,
+        torch.tensor([r.reward for r in records], dtype=torch.float64),
+        turn_rewards,
+        torch.tensor([len(r.turns) for r in records], dtype=torch.long),
+        step_groups,
+        [r.group_id for r in records],
+        valid=torch.tensor([counts_in_group(r) for r in records], dtype=torch.bool),
+        weight=credit.weight,
+        discount=credit.discount,
+        scale=algo.advantage_scale,
+        leave_one_out=algo.leave_one_out,
+    )  # [B, K]
+    return [advantages[b, : len(r.turns)].tolist() for b, r in enumerate(records)]
 
 
 def trainable_rows(records: Sequence[TrajectoryRecord], algo: AlgoConfig) -> torch.Tensor:

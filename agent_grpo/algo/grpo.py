@@ -82,6 +82,7 @@ __all__ = [
     "PolicyLossMetrics",
     "RatioLevel",
     "advantage_scale",
+    "dense_group_index",
     "group_advantages",
     "has_reward_variance",
     "kl_penalty",
@@ -96,7 +97,7 @@ Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-n
 RatioLevel = Literal["token", "sequence"]
 
 
-def _group_index(group_ids: Tensor | Sequence[Hashable], device: torch.device) -> Tensor:
+def dense_group_index(group_ids: Tensor | Sequence[Hashable], device: torch.device) -> Tensor:
     """Map arbitrary group ids to dense indices 0..G-1, one per sample."""
     if isinstance(group_ids, Tensor):
         _, inverse = torch.unique(group_ids, return_inverse=True)  # [B]
@@ -153,7 +154,7 @@ def group_advantages(
     keep = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()  # [B]
     keep = keep & torch.isfinite(rewards)  # [B]
     rewards = torch.where(keep, rewards, 0.0)  # [B]; junk never reaches a sum
-    index = _group_index(group_ids, rewards.device)  # [B]
+    index = dense_group_index(group_ids, rewards.device)  # [B]
     num_groups = int(index.max()) + 1 if index.numel() else 0
     zeros = rewards.new_zeros(num_groups)  # [G]
     count = zeros.index_add(0, index, keep.to(rewards.dtype))  # [G] valid members

@@ -29,6 +29,7 @@ verifier. Where we depart from common practice:
 from __future__ import annotations
 
 import copy
+import math
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Generic, Literal, TypeVar
@@ -50,8 +51,10 @@ from agent_grpo.trajectory.record import Message, Termination, ToolCallRecord
 
 __all__ = [
     "HELDOUT_SEEDS",
+    "STATE_KEY",
     "STEP_INFO_KEY",
     "TRAIN_SEEDS",
+    "TURN_REWARD_KEY",
     "ExpertEpisode",
     "MessagesSpace",
     "StepInfo",
@@ -62,7 +65,9 @@ __all__ = [
     "Verdict",
     "as_tool_format",
     "heldout_seeds",
+    "read_state",
     "read_step_info",
+    "read_turn_reward",
     "render_call",
     "run_expert",
     "split_of",
@@ -80,6 +85,11 @@ HELDOUT_SEEDS = range(1_000_000_000, 1_001_000_000)
 """Seeds for evaluation tasks; never used for training."""
 STEP_INFO_KEY = "agent_grpo"
 """The key of `step()`'s info dict that holds the `StepInfo`."""
+STATE_KEY = "state"
+"""Optional key of `reset()`'s and `step()`'s info: the state the next turn starts from, as
+text (turn-level credit groups turns by it; `agent_grpo.algo.turn_credit`)."""
+TURN_REWARD_KEY = "turn_reward"
+"""Optional key of `step()`'s info: the reward of that turn alone (a finite number)."""
 ROLES = ("system", "user", "assistant", "tool")
 """Message roles an observation may hold."""
 
@@ -217,6 +227,24 @@ class StepInfo(_Model):
     """Whether the task was solved; None while the episode goes on."""
     end_reason: str | None = None
     """Why the episode ended (`final_answer`, `malformed_tool_call`, `max_turns`); None if not."""
+
+
+def read_state(info: Mapping[str, Any]) -> str | None:
+    """The state an env names in `info[STATE_KEY]`, or None; anything but text is a TypeError
+    naming the key."""
+    value = info.get(STATE_KEY)
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"info[{STATE_KEY!r}] must be text (the state's name), got {value!r}")
+    return value
+
+
+def read_turn_reward(info: Mapping[str, Any]) -> float:
+    """The turn's own reward, `info[TURN_REWARD_KEY]` (0 when absent); anything but a finite
+    number is a TypeError naming the key."""
+    value = info.get(TURN_REWARD_KEY, 0.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TypeError(f"info[{TURN_REWARD_KEY!r}] must be a finite number, got {value!r}")
+    return float(value)
 
 
 def read_step_info(info: Mapping[str, Any]) -> StepInfo:

@@ -30,7 +30,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from agent_grpo.algo.config import AlgoConfig
+from agent_grpo.algo.config import AlgoConfig, TurnCreditConfig
 from agent_grpo.run_dir.manifest import (
     GENESIS,
     KEY_ENV,
@@ -82,6 +82,8 @@ class _AlgoSection(_View):
     """Advantage scale (None: resolved by `AlgoConfig`)."""
     leave_one_out: bool = False
     """RLOO baseline."""
+    turn_credit: TurnCreditConfig | None = None
+    """Turn-level credit, if the run used it."""
 
 
 class _ConfigView(_View):
@@ -123,7 +125,8 @@ class RunFacts:
             view = _ConfigView.model_validate(loaded if isinstance(loaded, dict) else {})
         except (yaml.YAMLError, ValidationError):
             view = _ConfigView()
-        algo = AlgoConfig(scale=view.algo.scale, leave_one_out=view.algo.leave_one_out)
+        algo = AlgoConfig(scale=view.algo.scale, leave_one_out=view.algo.leave_one_out,
+                          turn_credit=view.algo.turn_credit)  # fmt: skip
         return cls(
             run_name=view.run.name,
             group_size=view.rollout.group_size if view.rollout else None,
@@ -172,24 +175,33 @@ def _record_facts(record: TrajectoryRecord, step: int, facts: RunFacts) -> Itera
 def _advantage_problems(
     lines: Sequence[StoredLine], facts: RunFacts
 ) -> Iterator[tuple[StoredLine, str]]:
-    """Each stored advantage against the trainer's recompute over its step's records."""
-    from agent_grpo.algo.groups import advantages_of  # torch: only when needed
+    """Each stored advantage (and, under turn credit, each turn's) against the trainer's
+    recompute over its step's records."""
+    from agent_grpo.algo.groups import advantages_of, turn_advantages_of  # torch: when needed
 
     records = [(line, line.record) for line in lines if line.record is not None]
     if not records or any(r.advantage is None for _, r in records):
         return  # not trained on (an eval run): nothing to recompute
-    want = advantages_of([r for _, r in records], facts.algo).tolist()
-    for (line, record), a in zip(records, want, strict=True):
+    episode = advantages_of([r for _, r in records], facts.algo)
+    algo = f"algo scale {facts.algo.advantage_scale}, leave_one_out {facts.algo.leave_one_out}"
+    for (line, record), a in zip(records, episode.tolist(), strict=True):
         assert record.advantage is not None
-        if not math.isclose(record.advantage, a, rel_tol=_ADVANTAGE_TOL, abs_tol=_ADVANTAGE_TOL):
-            yield (
-                line,
-                (
-                    f"{_where(line, record)}: advantage {record.advantage!r}, but the group's "
-                    f"rewards give {a!r} (algo scale {facts.algo.advantage_scale}, leave_one_out "
-                    f"{facts.algo.leave_one_out})"
-                ),
-            )
+        if not _close(record.advantage, a):
+            yield line, (f"{_where(line, record)}: advantage {record.advantage!r}, but the "
+                         f"group's rewards give {a!r} ({algo})")  # fmt: skip
+    if facts.algo.turn_credit is None:
+        return
+    per_turn = turn_advantages_of([r for _, r in records], facts.algo, episode)
+    for (line, record), want in zip(records, per_turn, strict=True):
+        for turn, a in zip(record.turns, want, strict=True):
+            if turn.advantage is None or not _close(turn.advantage, a):
+                stored = turn.advantage
+                yield line, (f"{_where(line, record)}: turn {turn.index}'s advantage "
+                             f"{stored!r}, but turn credit gives {a!r} ({algo})")  # fmt: skip
+
+
+def _close(stored: float, recomputed: float) -> bool:
+    return math.isclose(stored, recomputed, rel_tol=_ADVANTAGE_TOL, abs_tol=_ADVANTAGE_TOL)
 
 
 def _group_problems(lines: Sequence[StoredLine]) -> Iterator[str]:

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict
 from rich.progress import Progress
 
 from agent_grpo.envs.registry import make_env
-from agent_grpo.envs.text_env import read_step_info
+from agent_grpo.envs.text_env import read_state, read_step_info, read_turn_reward
 from agent_grpo.rollout.backends.base import Generation, GenerationBackend, SamplingConfig
 from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.rollout.context import (
@@ -60,6 +60,7 @@ __all__ = [
     "RolloutResult",
     "Task",
     "collect_groups",
+    "conversation_digest",
 ]
 
 
@@ -183,6 +184,7 @@ class _Episode:
     verifier: dict[str, Any] = field(default_factory=dict)
     success: bool = False
     malformed: int = 0
+    state: str | None = None  # the env's name for the state the next turn starts from
 
     @property
     def done(self) -> bool:
@@ -197,9 +199,11 @@ def sampling_seed(base: int, step: int, task: Task, index: int, turn: int) -> in
 
 def _start_episode(task: Task, index: int, tokenizer: Any, env_factory: EnvFactory) -> _Episode:
     env = env_factory(task.env_id, **task.env_kwargs)
-    observation, _ = env.reset(seed=task.seed)
+    observation, info = env.reset(seed=task.seed)
     prompt = [Message.model_validate(m) for m in observation]
-    return _Episode(task, index, env, TokenBuilder(tokenizer, prompt), len(prompt))
+    episode = _Episode(task, index, env, TokenBuilder(tokenizer, prompt), len(prompt))
+    episode.state = read_state(info)
+    return episode
 
 
 EnvFactory = Callable[..., gymnasium.Env[Any, Any]]
@@ -301,10 +305,22 @@ def _generate_turn(
 
 
 def _record_model_turn(ep: _Episode, gen: Generation, turn: int) -> TurnRecord:
+    state = ep.state if ep.state is not None else conversation_digest(ep.builder.messages)
     span = ep.builder.add_model_turn(gen.token_ids, gen.logprobs)
     record = span.record(gen.finish_reason, index=turn)
+    record.state = state
     ep.turns.append(record)
     return record
+
+
+def conversation_digest(messages: Sequence[Message]) -> str:
+    """A turn's state when the env names none: a digest of the conversation it is written
+    after (roles and contents), so only identical histories share it."""
+    digest = hashlib.sha256()
+    for m in messages:
+        for part in (m.role, m.name or "", m.content):
+            digest.update(f"{len(part)}:{part}".encode())
+    return digest.hexdigest()[:16]
 
 
 def _step_env(ep: _Episode) -> tuple[Any, float, bool, bool, dict[str, Any], float]:
@@ -319,6 +335,7 @@ def _apply_step(ep: _Episode, result: tuple[Any, float, bool, bool, dict[str, An
     turn.env_latency_s = time.perf_counter() - started
     step_info = read_step_info(info)
     turn.tool_calls = list(step_info.tool_calls)
+    turn.reward, ep.state = read_turn_reward(info), read_state(info)
     ep.malformed += step_info.malformed_tool_calls
     if terminated or truncated:
         ep.reward = reward

@@ -35,6 +35,7 @@ from torch import Tensor
 from agent_grpo.algo.config import AlgoConfig
 from agent_grpo.algo.grpo import KLKind, group_advantages, kl_penalty
 from agent_grpo.algo.objective import grpo_micro_batch_loss, loss_denominator
+from agent_grpo.algo.turn_credit import turn_advantages
 
 __all__ = [
     "STOP",
@@ -95,6 +96,11 @@ class Task:
     """`[S]` True on turn two's first-token states (the answer)."""
     state_task: Tensor
     """`[S]` the prompt each state belongs to."""
+    turn_one_tokens: Tensor
+    """`[N]` how many tokens turn one has (turn two's start)."""
+    turn_two_state: Tensor
+    """`[N]` the state turn two starts from (prompt, turn one's answer, o): turn-level
+    credit's anchor state, as the state index of turn two's first token."""
     num_states: int
     """S, the rows of the logit table."""
 
@@ -123,12 +129,12 @@ def build_task() -> Task:
         ]  # fmt: skip
         p_one = P_OBS_ONE[first[0]]
         rows.append((keys, [*first, *second], p_one if obs == 1 else 1 - p_one, float(correct),
-                     task))  # fmt: skip
+                     task, len(first)))  # fmt: skip
     n = len(rows)
     states = torch.zeros(n, WIDTH, dtype=torch.long)
     tokens = torch.zeros(n, WIDTH, dtype=torch.long)
     mask = torch.zeros(n, WIDTH, dtype=torch.bool)
-    for i, (keys, ids, _, _, _) in enumerate(rows):
+    for i, (keys, ids, *_) in enumerate(rows):
         states[i, : len(keys)] = torch.tensor(keys)
         tokens[i, : len(ids)] = torch.tensor(ids)
         mask[i, : len(ids)] = True
@@ -143,6 +149,8 @@ def build_task() -> Task:
         answer_correct=torch.tensor(signs, dtype=torch.float64),
         answer_states=torch.tensor([key[0] == 3 for key in index]),
         state_task=torch.tensor([key[1] for key in index]),
+        turn_one_tokens=torch.tensor([r[5] for r in rows]),
+        turn_two_state=torch.stack([states[i, r[5]] for i, r in enumerate(rows)]),
         num_states=len(index),
     )
 
@@ -287,6 +295,8 @@ def _estimate(
         adv = group_advantages(task.reward[rows], groups, valid=counted,
                                scale=algo.advantage_scale,
                                leave_one_out=algo.leave_one_out)  # fmt: skip  # [B]
+        if algo.turn_credit is not None:
+            adv = _turn_credit(adv, rows, groups, counted, task, algo)  # [B, T]
         mask = task.mask[rows] & counted[:, None]  # [B, T]
         out = grpo_micro_batch_loss(
             token_logprobs(theta, task)[rows],
@@ -301,6 +311,24 @@ def _estimate(
         )
         (samples[n],) = torch.autograd.grad(-out.loss, theta)
     return Estimate(samples=samples)
+
+
+def _turn_credit(
+    episode: Tensor, rows: Tensor, groups: Tensor, counted: Tensor, task: Task, algo: AlgoConfig
+) -> Tensor:
+    """`[B, WIDTH]` per-token advantages under `algo.turn_credit` (the trainer's
+    `turn_advantages`): turn one's step group is its prompt's, turn two's its anchor state."""
+    credit = algo.turn_credit
+    assert credit is not None
+    b = len(rows)
+    step_groups = torch.stack([-1 - groups, task.turn_two_state[rows]], dim=1)  # [B, 2]
+    per_turn = turn_advantages(
+        episode, task.reward[rows], torch.zeros(b, 2, dtype=torch.float64),
+        torch.full((b,), 2), step_groups, groups, valid=counted, weight=credit.weight,
+        discount=credit.discount, scale=algo.advantage_scale, leave_one_out=algo.leave_one_out,
+    )  # fmt: skip  # [B, 2]
+    second = torch.arange(WIDTH)[None, :] >= task.turn_one_tokens[rows][:, None]  # [B, WIDTH]
+    return torch.where(second, per_turn[:, 1:], per_turn[:, :1]).to(torch.float32)  # [B, WIDTH]
 
 
 def kl_term_gradient(logits: Tensor, ref_logits: Tensor, task: Task, kind: KLKind) -> Tensor:
@@ -363,14 +391,16 @@ class Bias:
 def nominal_scale(algo: AlgoConfig, task: Task, behaviour: Tensor) -> float:
     """The constant that turns the loss's normaliser into a per-episode one: `max_tokens` for
     `seq-mean-token-sum-norm`, the expected episode length for `token-mean`, and its harmonic
-    counterpart 1 / E[1 / length] for `seq-mean-token-mean` (expectations under the sampler)."""
+    counterpart 1 / E[1 / length] for `seq-mean-token-mean` (expectations under the sampler);
+    divided by 1 + omega under turn-level credit, whose advantage sums two estimates."""
+    share = 1.0 if algo.turn_credit is None else 1.0 / (1.0 + algo.turn_credit.weight)
     if algo.aggregation == "seq-mean-token-sum-norm":
-        return float(WIDTH)
+        return share * WIDTH
     probs = trajectory_probs(behaviour, task) / 2  # [N], both prompts
     length = task.mask.sum(-1).to(probs.dtype)  # [N]
     if algo.aggregation == "token-mean":
-        return float((probs * length).sum())
-    return float(1 / (probs / length).sum())
+        return share * float((probs * length).sum())
+    return share * float(1 / (probs / length).sum())
 
 
 def stale_policy(logits: Tensor, task: Task, staleness: int) -> Tensor:

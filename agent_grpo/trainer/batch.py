@@ -7,6 +7,8 @@ given tokens < t. Missing logprobs are NaN in tensors, and every consumer masks 
 A batch row is one branch of an episode's token tree (`TrajectoryRecord.rows`): an episode whose
 template only appended is one row, a forked one several. `episode_index` maps rows back to their
 record, so the advantage, the group and the per-sequence aggregations stay per episode.
+`advantages` is per token: the episode's on every token of its rows, except where a turn has
+an advantage of its own (`TurnRecord.advantage`, turn-level credit), on that turn's tokens.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class PackedBatch:
     attention_mask: torch.Tensor  # [B, T] long, 1 on real tokens
     loss_mask: torch.Tensor  # [B, T] bool, True exactly on model tokens
     sampler_logprobs: torch.Tensor  # [B, T] float, NaN where the sampler gave none
-    advantages: torch.Tensor  # [B] float
+    advantages: torch.Tensor  # [B, T] float, each token's (its episode's or its turn's)
     group_index: torch.Tensor  # [B] long, rows of one GRPO group share a value
     episode_index: torch.Tensor  # [B] long, the record each row is a branch of
 
@@ -68,7 +70,7 @@ class PackedBatch:
             self.attention_mask[index, :width],
             self.loss_mask[index, :width],
             self.sampler_logprobs[index, :width],
-            self.advantages[index],
+            self.advantages[index, :width],
             self.group_index[index],
             self.episode_index[index],
         )
@@ -82,7 +84,8 @@ def pack_records(
     records: Sequence[TrajectoryRecord], pad_id: int, advantages: Sequence[float] | None = None
 ) -> PackedBatch:
     """Pad every row of every record (its branches, in order) on the right into one batch;
-    a record's rows share its advantage (by default the record's own) and its group."""
+    a record's rows share its group and its advantage (by default the record's own), except
+    the tokens of a turn with an advantage of its own (turn-level credit), which take that."""
     rows = [(e, row) for e, record in enumerate(records) for row in record.rows()]
     width = max(len(row.token_ids) for _, row in rows)
     batch = len(rows)
@@ -97,7 +100,11 @@ def pack_records(
         loss_mask[b, :n] = torch.tensor([p is Provenance.MODEL for p in row.provenance])
         sampler[b, :n] = torch.tensor(_logprob_row(row.sampler_logprobs))
     per_record = advantages if advantages is not None else [r.advantage or 0.0 for r in records]
-    values = torch.tensor([float(per_record[e]) for e, _ in rows])  # [B]
+    values = torch.tensor([float(per_record[e]) for e, _ in rows])[:, None].repeat(1, width)
+    for b, (e, row) in enumerate(rows):  # [B, T]
+        for turn in records[e].turns:
+            if turn.advantage is not None and turn.branch == row.branch:
+                values[b, turn.token_start : turn.token_end] = turn.advantage
     codes: dict[str, int] = {}
     groups = torch.tensor([codes.setdefault(records[e].group_id, len(codes)) for e, _ in rows])
     episodes = torch.tensor([e for e, _ in rows], dtype=torch.long)  # [B]
@@ -187,6 +194,6 @@ def rows_with_loss(
     """
     keep = batch.loss_mask.any(dim=1)  # [B]
     if skip_zero_advantage:
-        keep &= batch.advantages != 0
+        keep &= ((batch.advantages != 0) & batch.loss_mask).any(dim=1)  # [B]
     wanted = range(batch.input_ids.shape[0]) if rows is None else rows
     return [r for r in wanted if keep[r]]

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from agent_grpo.algo.groups import advantages_of, trainable_rows
+from agent_grpo.algo.groups import advantages_of, trainable_rows, turn_advantages_of
 from agent_grpo.config.base import ConfigError
 from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.evaluation.in_training import print_summary, run_eval
@@ -81,7 +81,12 @@ def train_step(
     advantages = advantages_of(records, algo)  # [B]
     for record, a in zip(records, advantages.tolist(), strict=True):
         record.advantage = a
-    batch = pack_records(records, trainer.tokenizer.pad_token_id, advantages.tolist())  # a row
+    if algo.turn_credit is not None:  # each turn's own: the episode's plus its step advantage
+        for record, per_turn in zip(records, turn_advantages_of(records, algo, advantages),
+                                    strict=True):  # fmt: skip
+            for turn, a in zip(record.turns, per_turn, strict=True):
+                turn.advantage = a
+    batch = pack_records(records, trainer.tokenizer.pad_token_id)  # [B, T] per token
     batch.loss_mask &= trainable_rows(records, algo)[batch.episode_index][:, None]  # per branch
     # 3. pi_old and pi_ref on the sampled tokens. The trainer scores pi_old itself before any
     #    update, unless the loss's own first pass is pi_old (`single_pass`); `old_logprobs:

@@ -165,6 +165,16 @@ class TurnRecord(_Record):
     branch: int = 0
     """The token branch this turn was sampled (and is trained) in: 0 for the record's own
     arrays, k for `forks[k - 1]`; `token_start`/`token_end` index that branch's ids."""
+    reward: float = 0.0
+    """The env's reward for this turn alone (`info["turn_reward"]` of its step); the episode's
+    reward is the record's `reward`, not repeated here."""
+    state: str = ""
+    """The state the turn was written from, which turn-level credit groups by: the env's
+    `info["state"]` (reset's for the first turn, the previous step's after), else a digest of
+    the conversation before the turn."""
+    advantage: float | None = None
+    """The advantage the trainer gave this turn's tokens when it differs per turn
+    (`algo.turn_credit`); None: the record's `advantage`."""
 
 
 class Termination(_Record):

@@ -160,3 +160,20 @@ def test_dropping_groups_on_failure_weights_the_prompts_by_their_survival() -> N
     s = 0.8**4
     assert abs(got.coefficient - 2 * s * (1 - s / 2)) <= Z * got.standard_error
     assert got.cosine > 0.98
+
+
+def test_turn_credit_with_leave_one_out_steps_is_unbiased() -> None:
+    # A^E + omega A^S with baselines from other episodes only: (1 + omega) times the gradient
+    algo = AlgoConfig(leave_one_out=True, aggregation=SUM_NORM, turn_credit={"weight": 1.0})  # type: ignore[arg-type]
+    got = measure(Objective("rloo+steps", algo), TASK, LOGITS, batches=6000)
+    assert got.rel_error <= Z * got.standard_error
+    assert got.standard_error < 0.05
+
+
+def test_gigpos_mean_step_baselines_shrink_the_step_as_theory_says() -> None:
+    # A group's own member in its mean shrinks each state's term by (n - 1) / n <= 3/4 at groups
+    # of 4, and a state seen once gets nothing: at most 3/4 of the gradient, for both parts
+    algo = AlgoConfig(scale="none", aggregation=SUM_NORM, turn_credit={"weight": 1.0})  # type: ignore[arg-type]
+    got = measure(Objective("gigpo", algo), TASK, LOGITS, batches=6000)
+    assert got.coefficient <= 0.75 + Z * got.standard_error
+    assert got.coefficient < 1 - Z * got.standard_error

@@ -47,7 +47,7 @@ def test_pack_records_pads_right_and_masks_only_model_tokens() -> None:
         [False, False, True, True, False, False, True],
         [False, True, True, False, False, False, False],
     ]
-    assert batch.advantages.tolist() == [1.5, -0.5]
+    assert batch.advantages.tolist() == [[1.5] * 7, [-0.5] * 7]  # every token: its episode's
     # logprobs exist exactly under the loss mask; everything else is NaN, never 0.0
     assert torch.equal(~torch.isnan(batch.sampler_logprobs), batch.loss_mask)
     assert math.isclose(float(batch.sampler_logprobs[0, 6]), -0.6, abs_tol=1e-6)
@@ -120,7 +120,8 @@ def test_pack_records_gives_every_branch_a_row_with_its_episodes_advantage(
     forked, plain = _forked_record(tokenizer), minimal_record("g7", advantage=-1.0)
     batch = pack_records([plain, forked], pad_id=2)
     assert batch.episode_index.tolist() == [0, 1, 1, 1]
-    assert batch.advantages.tolist() == [-1.0, 0.5, 0.5, 0.5]
+    assert batch.advantages[:, 0].tolist() == [-1.0, 0.5, 0.5, 0.5]
+    assert (batch.advantages == batch.advantages[:, :1]).all()  # no turn has its own
     assert batch.group_index.tolist() == [0, 0, 0, 0]  # one group: g7
     assert [len(r.token_ids) for r in forked.rows()] == batch.attention_mask[1:].sum(1).tolist()
     # each sampled token is a loss token in exactly one row

@@ -66,6 +66,10 @@ MATRIX: dict[str, list[str]] = {
     "all-dead-in-backward": [DEAD, "algo.speed.optimizer_in_backward=true",
         "algo.max_grad_norm=null"],
     "nan-reward": [NAN],
+    "turn-credit-gigpo-k3": [EVEN, "algo.turn_credit={weight: 1.0, discount: 0.95}",
+        "algo.beta=0.04", "algo.kl=k3"],
+    "turn-credit-rloo-nan-mb2": [NAN, "algo.turn_credit={}", "algo.leave_one_out=true",
+        "algo.minibatches=2"],
     "nan-reward-mb2-k2-rloo-tis-sumnorm": [NAN, "algo.minibatches=2", "algo.beta=0.04",
         "algo.leave_one_out=true", "algo.tis_cap=2.0", "algo.aggregation=seq-mean-token-sum-norm"],
 }  # fmt: skip

@@ -59,7 +59,7 @@ def make_case(model_dir: Path, **algo: Any) -> dict[str, Any]:
     ids[:, :PROMPT] = prompts[GROUPS]
     ids = torch.where(attention, ids, 2)  # [B, T]
     loss_mask = attention & (positions >= PROMPT) & (torch.rand(rows, width, generator=g) < 0.7)
-    advantages = torch.randn(rows, generator=g)  # [B]
+    advantages = torch.randn(rows, generator=g)[:, None].repeat(1, width)  # [B, T]
     with torch.no_grad():
         logprobs = token_logprobs(load_model(model_dir), ids, attention.long())  # [B, T]
 
@@ -155,7 +155,8 @@ def assert_same_history(
     Elsewhere `seen` is 0 or NaN depending on which micro-batch a row was in: not compared.
     """
     # rows skipped for a zero advantage (beta = 0) are not scored: NaN there, and only there
-    skipped = (batch.advantages == 0)[:, None] & (want[0]["kl_ref"] is None)  # [B, 1]
+    zero = ~((batch.advantages != 0) & batch.loss_mask).any(-1, keepdim=True)  # [B, 1]
+    skipped = zero & (want[0]["kl_ref"] is None)  # [B, 1]
     trained = batch.loss_mask & ~skipped  # [B, T]
     assert len(got) == len(want)
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -295,7 +296,7 @@ def test_loss_denominator_by_aggregation():
         attention_mask=torch.ones(3, 4, dtype=torch.long),
         loss_mask=mask,
         sampler_logprobs=torch.zeros(3, 4),
-        advantages=torch.zeros(3),
+        advantages=torch.zeros(3, 4),
         group_index=torch.arange(3),
         episode_index=torch.arange(3),
     )
