@@ -147,25 +147,14 @@ def _episode(
         if k < turns - 1:
             message = Message(role="tool" if rng.random() < 0.7 else "user", content=_text(rng))
             builder.add_observations([message])
-    builder.finish()
-    root, spans = builder.root(), builder.turn_spans
-    record = TrajectoryRecord(
+    record = builder.to_record(
         group_id="conform",
         task_id="conform:0",
         index_in_group=0,
         group_size=1,
         env_id="conform",
         seed=0,
-        messages=builder.messages,
-        prompt_messages_count=len(prompt),
-        token_ids=root.token_ids,
-        provenance=root.provenance,
-        sampler_logprobs=root.sampler_logprobs,
-        root_messages_count=builder.root_messages_count,
-        forks=builder.forks(),
         termination=Termination(kind="truncated", reason="conform"),
-        lengths=builder.lengths(),
-        turns=[s.record() for s in spans],
     )
     return record, contexts, sampled
 

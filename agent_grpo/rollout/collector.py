@@ -440,11 +440,8 @@ def _run_concurrently(calls: list[Callable[[], Any]], timeout_s: float) -> list[
 def _to_record(
     ep: _Episode, group_id: str, group_size: int, step: int, run_id: str, config: CollectOptions
 ) -> TrajectoryRecord:
-    b = ep.builder
-    b.finish()
-    root = b.root()
     assert ep.termination is not None
-    return TrajectoryRecord(
+    return ep.builder.to_record(
         run_id=run_id,
         step=step,
         group_id=group_id,
@@ -453,21 +450,13 @@ def _to_record(
         group_size=group_size,
         env_id=ep.task.env_id,
         seed=ep.task.seed,
-        messages=list(b.messages),
-        prompt_messages_count=ep.prompt_count,
-        token_ids=root.token_ids,
-        provenance=root.provenance,
-        sampler_logprobs=root.sampler_logprobs,
-        root_messages_count=b.root_messages_count,
-        forks=b.forks(),
         sampling_temperature=config.sampling.temperature or 1.0,
         reward=ep.reward,
         reward_components={"verifier": ep.reward},
         verifier=ep.verifier,
         success=ep.success,
-        turns=ep.turns,
+        turns=ep.turns,  # with their tool calls, states and turn rewards
         termination=ep.termination,
-        lengths=b.lengths(),
         malformed_tool_calls=ep.malformed,
         group_member_ids=[f"{group_id}/{i}" for i in range(group_size)],
     )

@@ -171,9 +171,6 @@ def calculator_record(
 
 def builder_record(builder: TokenBuilder, **overrides: Any) -> TrajectoryRecord:
     """A record holding exactly what the builder built."""
-    turns = [s.record() for s in builder.turn_spans]
-    builder.finish()
-    root = builder.root()
     fields: dict[str, Any] = {
         "group_id": "g7",
         "task_id": "calc:3",
@@ -181,18 +178,9 @@ def builder_record(builder: TokenBuilder, **overrides: Any) -> TrajectoryRecord:
         "group_size": 2,
         "env_id": "agent_grpo/Calculator-v0",
         "seed": 3,
-        "messages": builder.messages,
-        "prompt_messages_count": builder.prompt_messages_count,
-        "token_ids": root.token_ids,
-        "provenance": root.provenance,
-        "sampler_logprobs": root.sampler_logprobs,
-        "root_messages_count": builder.root_messages_count,
-        "forks": builder.forks(),
-        "turns": turns,
         "termination": Termination(kind="terminated", reason="final_answer"),
-        "lengths": builder.lengths(),
     }
-    return TrajectoryRecord(**(fields | overrides))
+    return builder.to_record(**(fields | overrides))
 
 
 def expert_record(env_id: str, seed: int, **env_kwargs: Any) -> TrajectoryRecord:

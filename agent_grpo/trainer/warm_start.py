@@ -22,7 +22,7 @@ from agent_grpo.models.logprobs import token_logprobs
 from agent_grpo.trainer.batch import micro_batches_by_tokens, pack_records
 from agent_grpo.trainer.optimizer import adamw
 from agent_grpo.trainer.policy import autocast
-from agent_grpo.trajectory.record import Message, Termination, TrajectoryRecord, TurnRecord
+from agent_grpo.trajectory.record import Message, Termination, TrajectoryRecord
 from agent_grpo.trajectory.tree import TokenBuilder
 
 __all__ = ["expert_record", "sft_loss", "train_sft", "warm_start"]
@@ -38,14 +38,12 @@ def expert_record(
         prompt = [Message.model_validate(m) for m in obs]
         builder = TokenBuilder(tokenizer, prompt)
         turn_end = builder.turn_end.id  # what closes a sampled turn: the template's, not EOS
-        turns: list[TurnRecord] = []
         reward, done = 0.0, False
         kind: Literal["terminated", "truncated"] = "terminated"
         while not done:
             action = env.unwrapped.expert_action()  # type: ignore[attr-defined]
             ids = [*tokenizer.encode(action, add_special_tokens=False), turn_end]
-            span = builder.add_model_turn(ids, [0.0] * len(ids))
-            turns.append(span.record())
+            builder.add_model_turn(ids, [0.0] * len(ids))
             obs, step_reward, terminated, truncated, _ = env.step(action)
             reward = float(step_reward)
             done = terminated or truncated
@@ -54,27 +52,16 @@ def expert_record(
                 builder.add_observations([Message.model_validate(m) for m in obs])
     finally:
         env.close()
-    builder.finish()
-    root = builder.root()
-    return TrajectoryRecord(
+    return builder.to_record(
         group_id=f"expert-{seed}",
         task_id=f"{env_id}:{seed}",
         index_in_group=0,
         group_size=1,
         env_id=env_id,
         seed=seed,
-        messages=list(builder.messages),
-        prompt_messages_count=len(prompt),
-        token_ids=root.token_ids,
-        provenance=root.provenance,
-        sampler_logprobs=root.sampler_logprobs,
-        root_messages_count=builder.root_messages_count,
-        forks=builder.forks(),
         reward=float(reward),
         success=float(reward) > 0,
-        turns=turns,
         termination=Termination(kind=kind, reason="expert"),
-        lengths=builder.lengths(),
     )
 
 

@@ -22,6 +22,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -31,6 +32,7 @@ from agent_grpo.trajectory.record import (
     Provenance,
     TokenBranch,
     TokenRow,
+    TrajectoryRecord,
     TurnRecord,
 )
 from agent_grpo.trajectory.tokens import (
@@ -356,6 +358,26 @@ class TokenBuilder:
         """Token counts by provenance over every branch, turns taken and branches."""
         every = [p for b in self._branches for p in b.provenance]
         return count_lengths(every, len(self._spans), len(self._branches))
+
+    def to_record(self, **episode: Any) -> TrajectoryRecord:
+        """The finished episode (this calls `finish`) as a record: what the builder holds (the
+        messages, branch 0's arrays, the forks, the lengths, and the turns unless `episode`
+        gives them, scripted ones stopping by themselves) and the caller's `episode` fields
+        (its ids, reward, termination, ...)."""
+        self.finish()
+        root = self.root()
+        held: dict[str, Any] = {
+            "messages": self.messages,
+            "prompt_messages_count": self.prompt_messages_count,
+            "token_ids": root.token_ids,
+            "provenance": root.provenance,
+            "sampler_logprobs": root.sampler_logprobs,
+            "root_messages_count": self.root_messages_count,
+            "forks": self.forks(),
+            "lengths": self.lengths(),
+            "turns": [s.record() for s in self._spans],
+        }
+        return TrajectoryRecord(**(held | episode))
 
 
 def _after(pieces: Sequence[Piece], held: int) -> list[Piece]:
