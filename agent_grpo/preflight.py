@@ -25,7 +25,11 @@ In order:
 - one turn (`check_step`): a plain answer, which a text or tool env takes as the final one and
   hands to its verifier. A verifier that raises would otherwise end every episode as an env
   error of reward 0 (the base eval reports success 0.000) and stop the warm start later; here
-  it is one line with the user's file and line.
+  it is one line with the user's file and line;
+- with a warm start, the env's scripted expert on one seed (`check_expert`), as the warm start
+  runs it: an env with no expert, or a verifier that raises only on a right answer (which the
+  plain turn above never gives), would otherwise pass the base eval and stop the warm start with
+  a traceback.
 
 Where we depart from gymnasium's `env_checker`: it checks spaces and API shapes on a constructed
 env; we check only what would silently break a GRPO run, and turn a config mistake into one line.
@@ -51,7 +55,13 @@ from gymnasium.envs.registration import EnvSpec
 from agent_grpo.config.base import ConfigError, close_match
 from agent_grpo.config.jobs import EnvConfig, EvalRunConfig, ModelConfig, TrainConfig
 from agent_grpo.envs.registry import TOOL_FORMAT_KWARG, env_spec, make_env
-from agent_grpo.envs.text_env import HELDOUT_SEEDS, TRAIN_SEEDS, ToolEnv
+from agent_grpo.envs.text_env import (
+    HELDOUT_SEEDS,
+    TRAIN_SEEDS,
+    ToolEnv,
+    read_state,
+    read_turn_reward,
+)
 from agent_grpo.models.loading import check_model_source, load_tokenizer, resolve_model_path
 from agent_grpo.sandbox.runner import sandbox_refusal
 from agent_grpo.tools.formats.registry import AUTO, get_tool_format, tool_format_for
@@ -66,6 +76,7 @@ __all__ = [
     "bind_tool_format",
     "chat_template_of",
     "check_env",
+    "check_expert",
     "check_reset",
     "check_reset_deterministic",
     "check_sandbox",
@@ -93,7 +104,7 @@ def preflight_train(config: TrainConfig) -> None:
     binds the tool-call format into `config.env.kwargs`."""
     check_model_source(config.model.name_or_path)
     bind_tool_format(config.model, config.env)
-    check_env(config.env)
+    check_env(config.env, expert=config.warm_start is not None)
 
 
 def preflight_eval(config: EvalRunConfig) -> None:
@@ -104,9 +115,10 @@ def preflight_eval(config: EvalRunConfig) -> None:
     check_env(config.env)
 
 
-def check_env(env: EnvConfig) -> None:
+def check_env(env: EnvConfig, expert: bool = False) -> None:
     """The env id resolves, its constructor takes `env.kwargs`, a reset returns chat messages,
-    the sandbox its tools need can run, its reset is deterministic, and it takes a turn."""
+    the sandbox its tools need can run, its reset is deterministic, it takes a turn, and, with
+    `expert` (a warm start), its expert plays an episode."""
     spec, creator = resolve_env(env.id)
     first = _construct(env, spec, creator)
     try:
@@ -114,6 +126,8 @@ def check_env(env: EnvConfig) -> None:
         check_sandbox(env.id, first)
         check_reset_deterministic(env, first)
         check_step(env.id, first)
+        if expert:
+            check_expert(env.id, first)
     finally:
         first.close()
 
@@ -351,6 +365,7 @@ def check_reset(env: EnvConfig, instance: gym.Env[Any, Any]) -> None:
         )
     if not isinstance(info, dict):
         raise PreflightError(f"env {env.id}: reset()'s info must be a dict, got {_shown(info)}")
+    _check_credit_keys(env.id, "reset()", info)
     for w in warned:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
@@ -369,12 +384,64 @@ def check_step(env_id: str, instance: gym.Env[Any, Any]) -> None:
             f"env {env_id}: step() must return (observation, reward, terminated, truncated, "
             f"info), got {_shown(result)}"
         )
-    observation, _, terminated, truncated, _ = result
+    observation, _, terminated, truncated, info = result
     problem = None if terminated or truncated else _messages_problem(observation, empty=True)
     if problem is not None:
         raise PreflightError(
             f"env {env_id}: step()'s observation must be a list of chat messages; {problem}"
         )
+    if isinstance(info, dict):
+        _check_credit_keys(env_id, "step()", info)
+
+
+def _check_credit_keys(env_id: str, where: str, info: dict[str, Any]) -> None:
+    """The optional `state` and `turn_reward` info keys (turn-level credit) read as the rollout
+    reads them; a wrong type is one line here instead of a traceback mid-rollout."""
+    try:
+        read_state(info)
+        read_turn_reward(info)
+    except TypeError as error:
+        raise PreflightError(f"env {env_id}: {where}'s {error}") from None
+
+
+def check_expert(env_id: str, instance: gym.Env[Any, Any]) -> None:
+    """The scripted expert's episode on `instance` reset with `CHECK_SEEDS[0]`, turn by turn as
+    `warm_start.expert_record` plays it; PreflightError if the env has no expert, or the expert
+    or a step it takes (the verifier judging the expert's answer) raises."""
+    expert = getattr(instance.unwrapped, "expert_action", None)
+    if not callable(expert):
+        name = type(instance.unwrapped).__name__
+        raise PreflightError(_no_expert(env_id, f"{name} has no expert_action"))
+    instance.reset(seed=CHECK_SEEDS[0])
+    done = False
+    while not done:
+        try:
+            action = expert()
+        except NotImplementedError as error:  # TextEnv's default: the env has no expert
+            raise PreflightError(_no_expert(env_id, _one_line(str(error)))) from None
+        except Exception as error:
+            raise PreflightError(f"env {env_id}: expert_action() raised {_raised(error)}") from None
+        try:
+            _, _, terminated, truncated, _ = instance.step(action)
+        except Exception as error:
+            raise PreflightError(
+                f"env {env_id}: the expert's turn {_cut(action)} (warm_start imitates it) "
+                f"raised {_raised(error)}"
+            ) from None
+        done = bool(terminated or truncated)
+
+
+def _no_expert(env_id: str, why: str) -> str:
+    return (
+        f"env {env_id}: warm_start imitates the env's scripted expert, and it has none ({why}); "
+        "write its expert_action() or set warm_start: null"
+    )
+
+
+def _cut(text: str, width: int = 60) -> str:
+    """`repr(text)`, cut to `width` characters."""
+    shown = repr(text)
+    return shown if len(shown) <= width else f"{shown[: width - 3]}..."
 
 
 def _messages_problem(observation: Any, empty: bool = False) -> str | None:

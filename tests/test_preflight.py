@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import pytest
 
@@ -66,6 +67,14 @@ class RaisingVerifierEnv(CalculatorEnv):
 
     def verify(self, task, answer):
         return {"ok": 1}["score"]
+
+
+class SolvedRaisingVerifierEnv(CalculatorEnv):
+    """A verifier with a bug on the path of a right answer only."""
+
+    def verify(self, task, answer):
+        verdict = super().verify(task, answer)
+        return {"wrong": verdict}["right"] if verdict.success else verdict
 '''
 
 
@@ -127,12 +136,61 @@ class RaisingVerifierEnv(CalculatorEnv):
         return {"ok": 1}["score"]  # the line the error names
 
 
+class SolvedRaisingVerifierEnv(CalculatorEnv):
+    """A verifier with a bug on the path of a right answer only: a wrong answer passes it."""
+
+    def verify(self, task: ArithmeticTask, answer: str) -> Any:
+        verdict = super().verify(task, answer)
+        return {"wrong": verdict}["right"] if verdict.success else verdict  # the right path
+
+
+class NoExpertEnv(CalculatorEnv):
+    """A text env that keeps `TextEnv`'s expert_action, which says it has none."""
+
+    expert_action = TextEnv.expert_action
+
+
+class RaisingExpertEnv(CalculatorEnv):
+    """An expert with a bug of its own."""
+
+    def expert_action(self) -> str:
+        return f"Answer: {self.task.solution}"  # type: ignore[union-attr]
+
+
+class PlainChatEnv(gym.Env[Any, str]):
+    """A gymnasium env of the user's own, not a TextEnv: one question, any answer ends it."""
+
+    action_space = observation_space = gym.spaces.Text(256)
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        return [{"role": "user", "content": "Say hi."}], {}
+
+    def step(self, action: str) -> Any:
+        return [], 1.0, True, False, {}
+
+
 class ShortStepEnv(CalculatorEnv):
     """A step that returns gymnasium's old 4-tuple."""
 
     def step(self, action: str) -> Any:
         observation, reward, terminated, _, info = super().step(action)
         return observation, reward, terminated, info
+
+
+class NumberStateEnv(CalculatorEnv):
+    """Names its state with a number, where turn-level credit reads text."""
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        messages, info = super().reset(seed=seed, options=options)
+        return messages, {**info, "state": 3}
+
+
+class WordTurnRewardEnv(CalculatorEnv):
+    """A turn reward that is not a number."""
+
+    def step(self, action: str) -> Any:
+        observation, reward, terminated, truncated, info = super().step(action)
+        return observation, reward, terminated, truncated, {**info, "turn_reward": "high"}
 
 
 class SwallowingEnv(CalculatorEnv):
@@ -196,6 +254,10 @@ MISTAKES = {
     "verifier": (
         ["env.id=preflight_envs:RaisingVerifierEnv"],
         "raised KeyError: 'score' (at {cwd}/preflight_envs.py:",
+    ),
+    "verifier-on-a-right-answer": (
+        ["env.id=preflight_envs:SolvedRaisingVerifierEnv"],
+        "(warm_start imitates it) raised KeyError: 'right' (at {cwd}/preflight_envs.py:",
     ),
     "mcp-command": (
         ["env.id=agent_grpo/Notes-v0", "env.kwargs={mcp_server: {command: [no-such-mcp-server]}}"],
@@ -332,6 +394,14 @@ def test_builtin_envs_pass(name: str) -> None:
     check_env(EnvConfig(id=f"agent_grpo/{name}"))
 
 
+@pytest.mark.parametrize("name", sorted(BUILTIN_ENVS))
+def test_builtin_experts_play_an_episode_or_are_said_to_be_missing(name: str) -> None:
+    try:
+        check_env(EnvConfig(id=f"agent_grpo/{name}"), expert=True)
+    except PreflightError as error:  # an env whose default config has no expert (Verifiers-v0)
+        assert "warm_start imitates the env's scripted expert, and it has none (" in str(error)
+
+
 @pytest.mark.parametrize(
     ("cls", "where"), [("GlobalRandomEnv", "the same env"), ("PerInstanceEnv", "a second env")]
 )
@@ -360,6 +430,8 @@ def test_a_nondeterministic_reset_stops_the_run_with_the_env_name(cls: str, wher
                             "base 10: 'two' (at "),
         ("ShortStepEnv", "the turn 'Answer: 0' raised ValueError: not enough values to unpack "
                          "(expected 5, got 4) (at "),
+        ("NumberStateEnv", "reset()'s info['state'] must be text (the state's name), got 3"),
+        ("WordTurnRewardEnv", "step()'s info['turn_reward'] must be a finite number, got 'high'"),
     ],
 )  # fmt: skip
 def test_a_reset_or_step_of_the_wrong_shape_is_one_line(cls: str, message: str) -> None:
@@ -379,6 +451,59 @@ def test_a_raising_verifier_is_one_line_naming_its_line() -> None:
         f'(at {__file__}:{line} in verify: return {{"ok": 1}}["score"]  # the line the '
         "error names)"
     )
+
+
+def test_a_verifier_that_raises_on_a_right_answer_stops_at_the_experts_turn() -> None:
+    env = EnvConfig(id=here("SolvedRaisingVerifierEnv"))
+    check_env(env)  # the plain turn's wrong answer never reaches the bug
+    with pytest.raises(PreflightError) as info:
+        check_env(env, expert=True)
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if text.endswith("# the right path"))  # fmt: skip
+    message, name = str(info.value), here("SolvedRaisingVerifierEnv")
+    assert message.startswith(f"env {name}: the expert's turn 'Answer: ")
+    assert message.endswith(
+        f"(warm_start imitates it) raised KeyError: 'right' (at {__file__}:{line} in verify: "
+        'return {"wrong": verdict}["right"] if verdict.success else verdict  # the right path)'
+    )
+
+
+def test_a_warm_start_needs_the_env_to_have_an_expert() -> None:
+    env = EnvConfig(id=here("NoExpertEnv"))
+    check_env(env)  # without a warm start it needs none
+    with pytest.raises(PreflightError) as info:
+        check_env(env, expert=True)
+    assert str(info.value) == (
+        f"env {here('NoExpertEnv')}: warm_start imitates the env's scripted expert, and it has "
+        "none (NoExpertEnv has no expert policy); write its expert_action() or set "
+        "warm_start: null"
+    )
+
+
+@pytest.mark.filterwarnings("ignore:.*not within the observation space")  # chat messages
+def test_a_gymnasium_env_without_expert_action_is_said_to_have_none() -> None:
+    env = EnvConfig(id=here("PlainChatEnv"))
+    check_env(env)
+    with pytest.raises(PreflightError, match=r"it has none \(PlainChatEnv has no expert_action\)"):
+        check_env(env, expert=True)
+
+
+def test_an_expert_that_raises_is_one_line_naming_its_line() -> None:
+    with pytest.raises(PreflightError) as info:
+        check_env(EnvConfig(id=here("RaisingExpertEnv")), expert=True)
+    assert str(info.value).startswith(
+        f"env {here('RaisingExpertEnv')}: expert_action() raised AttributeError: "
+        "'ArithmeticTask' object has no attribute 'solution' (at "
+    )
+    assert str(info.value).endswith('in expert_action: return f"Answer: {self.task.solution}"  '
+                                    "# type: ignore[union-attr])")  # fmt: skip
+
+
+def test_preflight_train_plays_the_expert_only_with_a_warm_start() -> None:
+    overrides = [f"env.id={here('NoExpertEnv')}"]
+    with pytest.raises(PreflightError, match="warm_start imitates the env's scripted expert"):
+        preflight_train(load_config(TrainConfig, TINY, overrides))
+    preflight_train(load_config(TrainConfig, TINY, [*overrides, "warm_start=null"]))
 
 
 def test_an_mcp_server_that_cannot_start_is_one_line_naming_its_key() -> None:

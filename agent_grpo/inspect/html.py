@@ -3,6 +3,8 @@
 The page embeds the selected records as JSON, step by step and group by group, and renders one
 step at a time in the browser (`agent_grpo.inspect.html_page` holds its CSS and script):
 
+- above it, pass@k against k for each held-out evaluation the run recorded (base, warm start,
+  final: `agent_grpo.inspect.pass_at_curves`), drawn as inline SVG; no chart when none did;
 - a step picker that opens on the step asked for (`open_step`, or `page.html#step=N`);
 - the step's group table, then each group's members side by side under the group's baseline
   (mean and std as the advantages used them, `agent_grpo.inspect.baseline`);
@@ -30,6 +32,7 @@ from typing import Any
 
 from agent_grpo.inspect.baseline import GroupBaseline, group_baseline
 from agent_grpo.inspect.html_page import PAGE_CSS, PAGE_JS
+from agent_grpo.inspect.pass_at_curves import PassAtCurve
 from agent_grpo.inspect.replay import DEFAULT_CLIP_EPS, PROVENANCE_STYLES, TokenRow, token_rows
 from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
@@ -211,9 +214,11 @@ def html_payload(
     low_prob: float = DEFAULT_LOW_PROB,
     open_step: int | None = None,
     baselines: Baselines | None = None,
+    pass_at: Sequence[PassAtCurve] = (),
 ) -> dict[str, Any]:
-    """The JSON the page embeds: `{"clip_eps", "low_prob", "open", "steps": {step: [group,
-    ...]}}`, each group `{"id", "caption", "mean", "std", "records": [...]}`. A group missing
+    """The JSON the page embeds: `{"clip_eps", "low_prob", "open", "pass_at": [curve, ...],
+    "steps": {step: [group, ...]}}`, each curve `{"label", "step", "points": [[k, pass@k],
+    ...]}`, each group `{"id", "caption", "mean", "std", "records": [...]}`. A group missing
     from `baselines` gets the baseline of the records given (the GRPO default norm)."""
     by_step: dict[int, list[TrajectoryRecord]] = {}
     for record in sorted(records, key=lambda r: r.step):  # stable: groups keep the run's order
@@ -223,7 +228,11 @@ def html_payload(
         for step, members in by_step.items()
     }
     opened = None if open_step is None else str(open_step)
-    return _jsonable({"clip_eps": clip_eps, "low_prob": low_prob, "open": opened, "steps": steps})
+    curves = [{"label": c.label, "step": c.step, "points": c.points} for c in pass_at]
+    return _jsonable(
+        {"clip_eps": clip_eps, "low_prob": low_prob, "open": opened, "pass_at": curves,
+         "steps": steps}
+    )  # fmt: skip
 
 
 def _embed_json(data: Any) -> str:
@@ -268,16 +277,19 @@ def render_html(
     low_prob: float = DEFAULT_LOW_PROB,
     open_step: int | None = None,
     baselines: Baselines | None = None,
+    pass_at: Sequence[PassAtCurve] = (),
 ) -> str:
     """The whole page as a string (see `html_payload` for the arguments)."""
     payload = html_payload(
-        records, tokenizer, clip_eps, low_prob=low_prob, open_step=open_step, baselines=baselines
-    )
+        records, tokenizer, clip_eps, low_prob=low_prob, open_step=open_step,
+        baselines=baselines, pass_at=pass_at,
+    )  # fmt: skip
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1"><title>{escape(title)}</title>
 <style>{PAGE_CSS}{_provenance_css()}</style></head>
 <body><h1>{escape(title)}</h1>
+<div id="evals"></div>
 <label>step <select id="step"></select></label> {_legend(low_prob)}
 {_heat_toggle()}<p id="heat-legend"></p>
 <p>ratio = exp(old - sampler); clipped: |ratio - 1| &gt; {clip_eps}</p>
@@ -298,6 +310,7 @@ def write_html(
     low_prob: float = DEFAULT_LOW_PROB,
     open_step: int | None = None,
     baselines: Baselines | None = None,
+    pass_at: Sequence[PassAtCurve] = (),
 ) -> Path:
     """Write `render_html(...)` to `path`; return it."""
     path = Path(path)
@@ -309,6 +322,7 @@ def write_html(
         low_prob=low_prob,
         open_step=open_step,
         baselines=baselines,
+        pass_at=pass_at,
     )
     path.write_text(page, encoding="utf-8")
     return path

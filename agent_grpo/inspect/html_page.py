@@ -14,6 +14,11 @@ state lives in the URL fragment, `#step=N&heat=MODE`, so a link (or a headless b
 
 Each shaded token carries its intensity as `data-heat` (3 decimals), the number the colour's
 alpha is made of, so a DOM dump shows what the eye sees.
+
+The pass@k chart is inline SVG drawn by the script (no chart library): one line per evaluation,
+k on the x axis from 1 to the largest recorded, pass@k on the y axis from 0 to 1. Each point
+carries its recorded numbers as `data-k` and `data-value`, and the legend under the chart says
+each curve's pass@1 and its last pass@k in words.
 """
 
 from __future__ import annotations
@@ -52,6 +57,11 @@ details.shared summary { display: inline; cursor: pointer; font-style: italic; }
   .members { grid-template-columns: minmax(0, 1fr) !important; }
   table { display: block; overflow-x: auto; max-width: 100%; }
 }
+#pass-at svg { width: 100%; max-width: 30em; height: auto; display: block; }
+#pass-at .axis { stroke: #9e9e9e; }
+#pass-at text { font-size: 11px; fill: #424242; }
+#pass-at polyline { fill: none; stroke-width: 2; }
+#pass-at li span.swatch { display: inline-block; width: 1em; height: .6em; margin-right: .4em; }
 #tip { position: fixed; display: none; background: #263238; color: #fff; padding: .4em .6em;
   font: 12px ui-monospace, monospace; white-space: pre; pointer-events: none; z-index: 10; }
 """
@@ -118,6 +128,73 @@ function heat(mode, rec, i, advScale) {
 function heatColour(mode, v) {
   const [r, g, b] = PALETTES[mode][v >= 0 ? 0 : 1];
   return `rgba(${r}, ${g}, ${b}, ${Math.abs(v).toFixed(3)})`;
+}
+// SVG's namespace, read off a parsed <svg> rather than written out: the page holds no URL.
+const SVG_NS = (() => {
+  const probe = document.createElement('div');
+  probe.innerHTML = '<svg></svg>';
+  return probe.firstChild.namespaceURI;
+})();
+const svgEl = (tag, attrs = {}, text = '') => {
+  const e = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  if (text) e.textContent = text;
+  return e;
+};
+const CURVE_COLOURS = ['#1565c0', '#ef6c00', '#2e7d32', '#6a1b9a', '#c62828', '#00838f'];
+// The chart's box in SVG units: the plot inside the margins, k = 1 at the left edge.
+const CHART = {width: 360, height: 200, left: 40, right: 12, top: 10, bottom: 34};
+// Every k up to 10; past that about 8 of them, so the labels do not overlap.
+const kTicks = most => Array.from({length: most}, (_, i) => i + 1)
+  .filter(k => k === most || (k - 1) % Math.ceil(most / 8) === 0);
+function passAtChart(curves) {
+  const c = CHART, most = Math.max(...curves.flatMap(cv => cv.points.map(([k]) => k)));
+  const x = k => c.left + (most === 1 ? 0.5 : (k - 1) / (most - 1)) * (c.width - c.left - c.right);
+  const y = v => c.top + (1 - v) * (c.height - c.top - c.bottom);
+  const svg = svgEl('svg', {viewBox: `0 0 ${c.width} ${c.height}`, role: 'img',
+    'aria-label': 'pass@k against k'});
+  svg.append(svgEl('line', {class: 'axis', x1: c.left, y1: y(0), x2: c.width - c.right, y2: y(0)}),
+    svgEl('line', {class: 'axis', x1: c.left, y1: y(0), x2: c.left, y2: y(1)}));
+  for (const v of [0, 0.5, 1])
+    svg.append(svgEl('text', {x: c.left - 6, y: y(v) + 4, 'text-anchor': 'end'}, v.toFixed(1)));
+  for (const k of kTicks(most))
+    svg.append(svgEl('text', {x: x(k), y: y(0) + 14, 'text-anchor': 'middle'}, String(k)));
+  svg.append(svgEl('text', {x: (c.left + c.width - c.right) / 2, y: c.height - 4,
+    'text-anchor': 'middle'}, 'k (samples per task)'));
+  curves.forEach((curve, i) => {
+    const colour = CURVE_COLOURS[i % CURVE_COLOURS.length];
+    const g = svgEl('g', {class: 'curve', 'data-label': curve.label, 'data-step': curve.step,
+      stroke: colour, fill: colour});
+    const line = curve.points.map(([k, v]) => `${x(k)},${y(v)}`).join(' ');
+    g.append(svgEl('polyline', {points: line}));
+    for (const [k, v] of curve.points) {
+      const dot = svgEl('circle', {cx: x(k), cy: y(v), r: 3, 'data-k': k, 'data-value': v});
+      dot.append(svgEl('title', {}, `${curve.label}: pass@${k} = ${fmt(v, 3)}`));
+      g.append(dot);
+    }
+    svg.append(g);
+  });
+  return svg;
+}
+function passAtLegend(curves) {
+  const list = el('ul');
+  curves.forEach((curve, i) => {
+    const [k1, v1] = curve.points[0], [kn, vn] = curve.points[curve.points.length - 1];
+    const item = el('li', {'data-label': curve.label});
+    item.append(el('span', {class: 'swatch',
+      style: `background: ${CURVE_COLOURS[i % CURVE_COLOURS.length]}`}));
+    const last = kn === k1 ? '' : `, pass@${kn} ${fmt(vn, 3)}`;
+    item.append(`${curve.label} (step ${curve.step}): pass@${k1} ${fmt(v1, 3)}${last}`);
+    list.append(item);
+  });
+  return list;
+}
+function showPassAt() {
+  const curves = DATA.pass_at || [];
+  if (!curves.length) return;  // a run without pass@k: no chart, not an empty one
+  const sec = el('section', {id: 'pass-at'});
+  sec.append(el('h2', {}, 'pass@k on held-out tasks'), passAtChart(curves), passAtLegend(curves));
+  document.getElementById('evals').replaceChildren(sec);
 }
 function groupTable(groups) {
   const table = el('table', {id: 'groups'});
@@ -269,6 +346,7 @@ picker.addEventListener('change', () => setParams({step: picker.value}));
 for (const radio of document.querySelectorAll('#heat input'))
   radio.addEventListener('change', () => setParams({heat: radio.value}));
 window.addEventListener('hashchange', show);
+showPassAt();
 show();
 const tip = document.getElementById('tip');
 document.addEventListener('mouseover', e => {

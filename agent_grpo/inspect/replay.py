@@ -592,6 +592,7 @@ def _step_file(run: RunWriter, step: int) -> str:
 
 def _write_html(args: argparse.Namespace, run: RunWriter, records: list[TrajectoryRecord]) -> None:
     from agent_grpo.inspect.html import write_html
+    from agent_grpo.inspect.pass_at_curves import run_pass_at_curves
 
     write_html(
         args.html,
@@ -601,6 +602,7 @@ def _write_html(args: argparse.Namespace, run: RunWriter, records: list[Trajecto
         title=run.run_id,
         open_step=args.step,
         baselines=group_baselines(run, records),
+        pass_at=run_pass_at_curves(run),
     )
 
 

@@ -1,6 +1,6 @@
 """The --html page, loaded in real headless Chromium and checked by reading its DOM: the verdict,
 the tool-call table, the heatmap, low-probability tokens, the folded shared prompt, a group side
-by side, the step picker, tooltips."""
+by side, the step picker, tooltips, the pass@k curves of the run's evaluations."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agent_grpo.evaluation.heldout import EvalResult, pass_at_curve
 from agent_grpo.inspect.html import (
     DEFAULT_LOW_PROB,
     MIN_SHARED_TOKENS,
@@ -26,9 +28,12 @@ from agent_grpo.inspect.html import (
     shared_prompt_prefixes,
     write_html,
 )
+from agent_grpo.inspect.pass_at_curves import PassAtCurve, run_pass_at_curves
 from agent_grpo.inspect.replay import add_replay_parser
+from agent_grpo.rollout.summary import summarize_trajectories
 from agent_grpo.run_dir.writer import RunWriter
 from agent_grpo.testing.records import calculator_record
+from agent_grpo.trainer.checkpoint import TrainerState
 from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,6 +88,57 @@ def records(tokenizer: Any) -> list[TrajectoryRecord]:
 def page(records: list[TrajectoryRecord], tokenizer: Any, tmp_path_factory: Any) -> Path:
     out = tmp_path_factory.mktemp("html") / "replay.html"
     return write_html(out, records, tokenizer, clip_eps=0.2, title="run-x")
+
+
+EVALUATIONS = {"base": [(4, 0), (4, 1)], "warm start": [(4, 1), (4, 2)], "final": [(4, 3), (4, 4)]}
+"""A training run's three evaluations, each task as (samples, correct)."""
+EVAL_STEPS = {"base": 0, "warm start": 0, "final": 2}
+
+
+def _evaluation(counts: list[tuple[int, int]]) -> EvalResult:
+    """The EvalResult of tasks given as (samples, correct), its pass@k as `evaluate` computes it."""
+    curve = pass_at_curve(counts)
+    return EvalResult(
+        tasks=len(counts), samples_per_task=max(curve), pass_at_k=curve[max(curve)],
+        pass_at=curve, summary=summarize_trajectories([]),
+    )  # fmt: skip
+
+
+CURVES = [
+    PassAtCurve(label, EVAL_STEPS[label], tuple(_evaluation(counts).pass_at.items()))
+    for label, counts in EVALUATIONS.items()
+]
+
+
+def _training_run(root: Path, config_text: str, records: list[TrajectoryRecord]) -> RunWriter:
+    """A training run directory as the trainer leaves one: `records` at step 0, the base and
+    warm-start evaluations in every checkpoint's `state.json`, the final one as the last metrics
+    row."""
+    run = RunWriter.create(root, run_id="trained", config_text=config_text)
+    run.write_trajectories(0, records)
+    evals = {label: _evaluation(counts) for label, counts in EVALUATIONS.items()}
+    state = TrainerState(step=0, eval_before=evals["base"], eval_warm_start=evals["warm start"])
+    for step in (0, 2):
+        folder = run.checkpoint_dir(step)
+        folder.mkdir()
+        (folder / "state.json").write_text(
+            state.model_copy(update={"step": step}).model_dump_json()
+        )
+        run.record_checkpoint(folder)
+        run.write_metrics(step, {"reward_mean": 0.5})  # a step's row: no evaluation in it
+    run.write_metrics(2, evals["final"].row())
+    return run
+
+
+def _payload(html: str) -> dict[str, Any]:
+    data = html.split('<script id="data" type="application/json">')[1].split("</script>")[0]
+    return dict(json.loads(data))
+
+
+@pytest.fixture(scope="module")
+def curve_page(records: list[TrajectoryRecord], tokenizer: Any, tmp_path_factory: Any) -> Path:
+    out = tmp_path_factory.mktemp("html") / "curves.html"
+    return write_html(out, records, tokenizer, clip_eps=0.2, title="run-x", pass_at=CURVES)
 
 
 # A DOM dump, parsed into a tree
@@ -224,6 +280,38 @@ def test_shared_prompt_prefixes_fold_after_the_first_appearance(tokenizer: Any) 
     ]
 
 
+def test_pass_at_curves_are_the_evaluations_the_run_recorded(tmp_path: Path) -> None:
+    curves = run_pass_at_curves(_training_run(tmp_path, "steps: 2\n", []))
+    assert curves == CURVES
+    # By hand: 0 and 1 of 4 samples correct; pass@k of the second is 1 - C(3, k) / C(4, k).
+    assert curves[0].points == ((1, 0.125), (2, 0.25), (3, 0.375), (4, 0.5))
+
+
+def test_an_eval_run_has_its_one_curve(tmp_path: Path) -> None:
+    run = RunWriter.create(tmp_path, run_id="eval", config_text="eval: {samples: 4}\n")
+    run.write_metrics(0, _evaluation(EVALUATIONS["final"]).row())
+    assert run_pass_at_curves(run) == [PassAtCurve("eval", 0, CURVES[-1].points)]
+
+
+def test_a_run_without_pass_at_has_no_curve(
+    tmp_path: Path, tokenizer: Any, records: list[TrajectoryRecord]
+) -> None:
+    # Evaluations recorded before pass@k was: no `pass_at` in state.json, no eval_pass_at_<k>.
+    run = RunWriter.create(tmp_path, run_id="old", config_text="steps: 1\n")
+    old = _evaluation([(1, 1)]).model_dump(mode="json")
+    del old["pass_at"]
+    folder = run.checkpoint_dir(0)
+    folder.mkdir()
+    (folder / "state.json").write_text(json.dumps({"step": 0, "eval_before": old}))
+    run.record_checkpoint(folder)
+    run.write_metrics(1, {"eval_pass_at_k": 1.0, "eval_success_rate": 1.0})
+    assert run_pass_at_curves(run) == []
+    assert run_pass_at_curves(RunWriter.create(tmp_path, run_id="none")) == []
+    assert (
+        _payload(render_html(records, tokenizer, pass_at=run_pass_at_curves(run)))["pass_at"] == []
+    )
+
+
 def _cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     add_replay_parser(parser.add_subparsers(dest="command", required=True))
@@ -249,6 +337,19 @@ def test_cli_html_holds_every_step_and_opens_on_the_one_asked_for(
     assert group["caption"] == "advantage = r - mean (Dr. GRPO) over 2 of 2 counted: mean 0.5000"
     assert group["std"] is None
     assert _cli(["replay", str(run.path), "--html", str(out), "--step", "7"]) == 1
+
+
+def test_cli_html_draws_the_runs_pass_at_curves(
+    tmp_path: Path, embedded_model_dir: Path, records: list[TrajectoryRecord]
+) -> None:
+    config = f"steps: 2\nmodel: {{name_or_path: {embedded_model_dir}}}\n"
+    run = _training_run(tmp_path, config, [r for r in records if r.step == 0])
+    out = tmp_path / "page.html"
+    assert _cli(["replay", str(run.path), "--html", str(out)]) == 0
+    assert _payload(out.read_text())["pass_at"] == [
+        {"label": c.label, "step": c.step, "points": [list(point) for point in c.points]}
+        for c in CURVES
+    ]
 
 
 # The page, in Chromium
@@ -388,6 +489,38 @@ def test_chromium_default_step_is_the_first(chromium: str, page: Path, tmp_path:
     dom = _dump_dom(chromium, page.as_uri(), tmp_path)
     assert dom.find("h2").text == "step 0: 2 records"
     assert dom.find("table", id="groups").rows()[1] == ["s0-t0", "0.000 / -1.000", "1.000 / 1.000"]
+    assert dom.find("div", id="evals").children == []  # no pass@k recorded: no chart
+
+
+def test_chromium_draws_pass_at_against_k_for_each_evaluation(
+    chromium: str, curve_page: Path, tmp_path: Path
+) -> None:
+    dom = _dump_dom(chromium, curve_page.as_uri(), tmp_path)
+    chart = dom.find("section", id="pass-at")
+    drawn = chart.find_all("g", "curve")
+    assert [(g.attrs["data-label"], g.attrs["data-step"]) for g in drawn] == [
+        ("base", "0"), ("warm start", "0"), ("final", "2"),
+    ]  # fmt: skip
+    dots = []
+    for g, curve in zip(drawn, CURVES, strict=True):
+        circles = g.find_all("circle")
+        points = [(int(c.attrs["data-k"]), float(c.attrs["data-value"])) for c in circles]
+        assert points == list(curve.points)  # the recorded numbers, each a point
+        at = [(float(c.attrs["cx"]), float(c.attrs["cy"])) for c in circles]
+        through = " ".join(f"{c.attrs['cx']},{c.attrs['cy']}" for c in circles)
+        assert g.find("polyline").attrs["points"] == through  # the line joins the points
+        dots += [(k, v, x, y) for (k, v), (x, y) in zip(points, at, strict=True)]
+    # Drawn where they belong: one x per k, rising with k; one y per value, higher for more.
+    xs = sorted({(k, x) for k, _, x, _ in dots})
+    assert [k for k, _ in xs] == [1, 2, 3, 4] and all(a[1] < b[1] for a, b in pairwise(xs))
+    ys = sorted({(v, y) for _, v, _, y in dots})
+    assert len({v for v, _ in ys}) == len(ys) and all(a[1] > b[1] for a, b in pairwise(ys))
+    assert [li.text for li in chart.find_all("li")] == [
+        "base (step 0): pass@1 0.125, pass@4 0.500",
+        "warm start (step 0): pass@1 0.375, pass@4 1.000",
+        "final (step 2): pass@1 0.875, pass@4 1.000",
+    ]
+    assert dom.find("div", id="main").find("h2").text == "step 0: 2 records"  # the rest as before
 
 
 # Live page, over the DevTools protocol
@@ -528,11 +661,13 @@ PHONE = """(() => {
 })()"""
 
 
+@pytest.mark.parametrize("shown", ["page", "curve_page"])
 def test_chromium_at_phone_width_every_card_fits_the_screen(
-    chromium: str, page: Path, tmp_path: Path
+    chromium: str, shown: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     """At 390 px (a phone), the members of a group stack, each as wide as the screen, and
-    nothing reaches past its right edge."""
+    nothing reaches past its right edge, the pass@k chart included."""
+    page: Path = request.getfixturevalue(shown)
 
     async def look(call: Call, evaluate: Evaluate) -> Any:
         await call("Emulation.setDeviceMetricsOverride", width=390, height=844,

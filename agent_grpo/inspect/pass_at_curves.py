@@ -1,0 +1,79 @@
+"""The pass@k curves of a run, for the replay page: pass@k against k, one curve per held-out
+evaluation the run directory recorded.
+
+Where each evaluation is recorded:
+
+- a training run's base and warm-start evaluations: in every checkpoint's `state.json`
+  (`TrainerState.eval_before`, `eval_warm_start`, each an `EvalResult` whose `pass_at` maps k to
+  pass@k), where they are kept so that the final table survives a resume;
+- a training run's final evaluation, and an eval run's one: a `metrics.jsonl` row with
+  `eval_pass_at_<k>` for each k (`EvalResult.row()`).
+
+An evaluation recorded before pass@k was (no `pass_at`, no `eval_pass_at_<k>`) has no curve.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from agent_grpo.run_dir.writer import RunWriter
+
+__all__ = ["PassAtCurve", "row_points", "run_pass_at_curves", "state_points"]
+
+Points = tuple[tuple[int, float], ...]
+
+STATE_EVALUATIONS = {"eval_before": "base", "eval_warm_start": "warm start"}
+"""`state.json` keys of the evaluations a training run makes before its first step, by label."""
+
+_ROW_KEY = re.compile(r"eval_pass_at_(\d+)")  # not `eval_pass_at_k`: that is pass@samples again
+
+
+@dataclass(frozen=True)
+class PassAtCurve:
+    """One evaluation's unbiased pass@k for k = 1 .. its samples per task."""
+
+    label: str
+    """Which evaluation: `base`, `warm start`, `final` (a training run's) or `eval` (an eval
+    run's)."""
+    step: int
+    """GRPO steps taken before it."""
+    points: Points
+    """(k, pass@k), k ascending, as recorded."""
+
+
+def row_points(row: Mapping[str, Any]) -> Points:
+    """(k, pass@k) of a `metrics.jsonl` row's `eval_pass_at_<k>` keys, k ascending."""
+    found = [
+        (int(m.group(1)), float(value))
+        for key, value in row.items()
+        if (m := _ROW_KEY.fullmatch(key)) and value is not None
+    ]
+    return tuple(sorted(found))
+
+
+def state_points(result: Mapping[str, Any] | None) -> Points:
+    """(k, pass@k) of an `EvalResult` as `state.json` holds it (`{"pass_at": {"1": ...}}`)."""
+    pass_at = (result or {}).get("pass_at") or {}
+    return tuple(sorted((int(k), float(v)) for k, v in pass_at.items()))
+
+
+def run_pass_at_curves(run: RunWriter) -> list[PassAtCurve]:
+    """Every evaluation of `run` that recorded pass@k, in the order they ran."""
+    curves = []
+    checkpoint = run.latest_checkpoint()  # each checkpoint carries the same two evaluations
+    if checkpoint is not None:
+        state = json.loads((checkpoint / "state.json").read_text())
+        for key, label in STATE_EVALUATIONS.items():
+            curves.append(PassAtCurve(label, 0, state_points(state.get(key))))
+    # A training run writes an evaluation row only at its end; an eval run's config has no steps.
+    config = yaml.safe_load(run.config_text)
+    label = "final" if isinstance(config, dict) and "steps" in config else "eval"
+    for row in run.read_metrics():
+        curves.append(PassAtCurve(label, int(row["step"]), row_points(row)))
+    return [curve for curve in curves if curve.points]
