@@ -45,7 +45,13 @@ from agent_grpo.preflight import preflight_train
 from agent_grpo.rollout.sources import staleness
 from agent_grpo.trainer.batch import PackedBatch, pack_records
 from agent_grpo.trainer.checkpoint import save
-from agent_grpo.trainer.metrics import StepMetrics, StepTimes, logprob_mismatch, step_metrics
+from agent_grpo.trainer.metrics import (
+    StepMetrics,
+    StepTimes,
+    logprob_mismatch,
+    mismatch_by_staleness,
+    step_metrics,
+)
 from agent_grpo.trainer.parallel import broadcast_object
 from agent_grpo.trainer.progress import RunProgress
 from agent_grpo.trainer.resume import check_resume, record_changes
@@ -122,9 +128,11 @@ def train_step(
         weight_push=push_s, canary=canary_s, step=clock.total(),
     )  # fmt: skip
     mismatch = logprob_mismatch(trainer_pi_old, batch.sampler_logprobs, batch.loss_mask)
+    ages = torch.tensor([step - records[e].policy_version for e in batch.episode_index.tolist()])
+    by_age = mismatch_by_staleness(trainer_pi_old, batch.sampler_logprobs, batch.loss_mask, ages)
     metrics = step_metrics(
         step, records, advantages.tolist(), rollout, update, mismatch, times,
-        staleness(rollout, step), None if canary is None else canary.mean,
+        staleness(rollout, step), None if canary is None else canary.mean, by_age,
     )  # fmt: skip
     return metrics, records
 

@@ -30,6 +30,7 @@ __all__ = [
     "UpdateMetrics",
     "UpdateStats",
     "logprob_mismatch",
+    "mismatch_by_staleness",
     "reward_means",
     "signal_metrics",
     "step_metrics",
@@ -143,6 +144,21 @@ def logprob_mismatch(
     return LogprobMismatch(
         logprob_mismatch_mean=float(diff.sum()) / count, logprob_mismatch_max=float(diff.max())
     )
+
+
+def mismatch_by_staleness(
+    trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, ages: torch.Tensor
+) -> dict[int, float]:
+    """Mean |trainer - sampler| over `mask` (`[B, T]` each) of the rows `k` policy versions
+    behind the trainer, for each `k` in `ages` (`[B]`, each row's record's). At `k = 0` the
+    engine sampled with the trainer's own weights, so the gap there is the kernels' and dtypes'
+    alone; what grows with `k` is staleness. A `k` with no scored token is left out."""
+    out: dict[int, float] = {}
+    for k in sorted(set(ages.tolist())):
+        mean = logprob_mismatch(trainer, sampler, mask & (ages == k)[:, None])
+        if mean.logprob_mismatch_mean is not None:
+            out[int(k)] = mean.logprob_mismatch_mean
+    return out
 
 
 @dataclass
@@ -340,6 +356,10 @@ class StepMetrics(BaseModel):
     staleness: dict[int, int]
     """Histogram {policy versions behind the trainer: records}; written as `staleness/<k>`
     (all at 0 when synchronous)."""
+    mismatch_by_staleness: dict[int, float] = {}
+    """{k: mean |trainer - sampler| logprob over the model tokens of records k versions behind}
+    (`mismatch_by_staleness`): at 0 the kernels' and dtypes' share of the gap, above it
+    staleness's too; written as `mismatch_staleness/<k>`."""
     stale_dropped: int
     """Records dropped for being more than `algo.max_staleness` versions old."""
     worker_failures: int
@@ -355,6 +375,8 @@ class StepMetrics(BaseModel):
                 out.update({f"rewards/{k}/mean": v for k, v in value.items()})
             elif name == "staleness":
                 out.update({f"staleness/{k}": v for k, v in value.items()})
+            elif name == "mismatch_by_staleness":
+                out.update({f"mismatch_staleness/{k}": v for k, v in value.items()})
             else:
                 out[name] = value
         return out
@@ -400,6 +422,7 @@ def step_metrics(
     times: StepTimes,
     staleness: dict[int, int],
     canary_gap: float | None = None,
+    mismatch_ages: dict[int, float] | None = None,
 ) -> StepMetrics:
     """The step's `metrics.jsonl` row from what the step produced."""
     return StepMetrics(
@@ -424,6 +447,7 @@ def step_metrics(
         canary_gap=canary_gap,
         reward_means=reward_means(records),
         staleness=staleness,
+        mismatch_by_staleness=mismatch_ages or {},
         stale_dropped=rollout.metrics.stale_dropped,
         worker_failures=rollout.metrics.worker_failures,
     )

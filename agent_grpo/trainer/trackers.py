@@ -60,6 +60,8 @@ def grouped_name(key: str) -> str:
         return "reward/" + key.removeprefix("rewards/")
     if key.startswith("staleness/"):
         return "rollout/" + key
+    if key.startswith("mismatch_staleness/"):
+        return "mismatch/staleness/" + key.removeprefix("mismatch_staleness/")
     if key in _ROLLOUT:
         return ("reward/" if "reward" in key else "rollout/") + key
     if key in _SIGNAL:

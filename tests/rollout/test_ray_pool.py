@@ -226,5 +226,6 @@ def test_asynchronous_training_stays_within_its_staleness(
     assert steps[0]["staleness/0"] == 4  # step 0 was sampled by the starting policy
     for row in steps[1:]:  # later steps were sampled one version behind the trainer
         assert row.get("staleness/1") == 4 and "staleness/2" not in row
+        assert row["mismatch_staleness/1"] > 0 and "mismatch_staleness/0" not in row  # its gap
     for step in (1, 2):
         assert {r.policy_version for r in RunWriter.open(run).read_trajectories(step)} == {step - 1}

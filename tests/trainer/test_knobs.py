@@ -116,7 +116,8 @@ def rows(run: Path) -> list[dict[str, Any]]:
 
 
 STEP_KEYS = set(StepMetrics.model_fields) - {"rollout", "signal", "mismatch", "update",
-                                             "reward_means", "staleness"}  # fmt: skip
+                                             "reward_means", "staleness",
+                                             "mismatch_by_staleness"}  # fmt: skip
 
 
 def metric_names() -> set[str]:
@@ -137,7 +138,9 @@ def test_every_knob_combination_trains(tmp_path: Path, tiny_model_dir: Path, nam
         components = {k for k in row if k.startswith("rewards/")}
         assert components == {"rewards/verifier/mean", f"rewards/{source(name)}/mean"}, row
         assert {k for k in row if k.startswith("staleness/")} == {"staleness/0"}  # synchronous
-        named = {k for k in row if not k.startswith(("rewards/", "staleness/"))}
+        assert {k for k in row if k.startswith("mismatch_staleness/")} <= {"mismatch_staleness/0"}
+        named = {k for k in row if not k.startswith(("rewards/", "staleness/",
+                                                      "mismatch_staleness/"))}  # fmt: skip
         assert named == metric_names(), named ^ metric_names()
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]), row
         assert row["skipped_steps"] == 0

@@ -10,7 +10,7 @@ import torch
 from agent_grpo.algo.groups import dead_group_mask
 from agent_grpo.rollout.summary import summarize_trajectories
 from agent_grpo.testing.records import minimal_record
-from agent_grpo.trainer.metrics import logprob_mismatch, signal_metrics
+from agent_grpo.trainer.metrics import logprob_mismatch, mismatch_by_staleness, signal_metrics
 from agent_grpo.trajectory.record import Provenance, ToolCallRecord, TrajectoryRecord, TurnRecord
 
 
@@ -69,3 +69,14 @@ def test_logprob_mismatch_ignores_masked_junk() -> None:
     out = logprob_mismatch(trainer, sampler, mask)
     assert out.logprob_mismatch_mean == pytest.approx((0.5 + 0.0 + 0.25) / 3)
     assert out.logprob_mismatch_max == pytest.approx(0.5)
+
+
+def test_mismatch_by_staleness_splits_the_gap_by_each_rows_age() -> None:
+    trainer = torch.tensor([[-1.0, -2.0], [-1.0, -1.0], [-3.0, 0.0]])
+    sampler = torch.tensor([[-1.5, -2.0], [-2.0, -4.0], [float("nan"), 7.0]])
+    mask = torch.tensor([[True, True], [True, True], [True, False]])
+    # row 0 is fresh (gaps 0.5, 0), row 1 two versions behind (1, 3); row 2, also fresh, has no
+    # token both scored, so it adds nothing to age 0
+    out = mismatch_by_staleness(trainer, sampler, mask, torch.tensor([0, 2, 0]))
+    assert out == {0: pytest.approx(0.25), 2: pytest.approx(2.0)}
+    assert mismatch_by_staleness(trainer, sampler, mask & False, torch.tensor([0, 2, 0])) == {}

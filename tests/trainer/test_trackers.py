@@ -59,8 +59,10 @@ def test_every_flat_key_gets_a_group_and_names_stay_distinct() -> None:
     flat = [k for k in fields if k not in {"rollout", "signal", "mismatch", "update"}]
     for part in ("rollout", "signal", "mismatch", "update"):
         flat += list(fields[part].annotation.model_fields)  # type: ignore[union-attr]
-    flat = [k for k in flat if k not in {"step", "reward_means", "staleness"}]
-    flat += ["rewards/verifier/mean", "rewards/even/mean", "staleness/0", "staleness/2"]
+    flat = [k for k in flat if k not in {"step", "reward_means", "staleness",
+                                         "mismatch_by_staleness"}]  # fmt: skip
+    flat += ["rewards/verifier/mean", "rewards/even/mean", "staleness/0", "staleness/2",
+             "mismatch_staleness/0", "mismatch_staleness/1"]  # fmt: skip
     names = [grouped_name(k) for k in flat]
     assert len(set(names)) == len(names)
     assert {n.split("/")[0] for n in names} == GROUPS
@@ -75,6 +77,7 @@ def test_every_flat_key_gets_a_group_and_names_stay_distinct() -> None:
     assert grouped_name("dead_group_fraction") == "signal/dead_group_fraction"
     assert grouped_name("canary_gap") == "mismatch/canary_gap"
     assert grouped_name("staleness/1") == "rollout/staleness/1"
+    assert grouped_name("mismatch_staleness/1") == "mismatch/staleness/1"
     assert grouped_name("worker_failures") == "rollout/worker_failures"
 
 
