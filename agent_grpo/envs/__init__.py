@@ -22,6 +22,7 @@ BUILTIN_ENVS = {
     "PythonSandbox-v0": "agent_grpo.envs.python_sandbox:PythonSandboxEnv",
     "ReasoningGym-v0": "agent_grpo.envs.reasoning_gym_tasks:ReasoningGymEnv",
     "Search-v0": "agent_grpo.envs.search:SearchEnv",
+    "Verifiers-v0": "agent_grpo.envs.verifiers_env:VerifiersEnv",
     "WebApi-v0": "agent_grpo.envs.webapi:WebApiEnv",
 }
 """Built-in environment names (without the namespace) and their entry points."""
