@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# GPU check of the trainer (issue 12, part 4): 3 GRPO steps of a random-initialised model of
-# SmolLM2-135M's shape, with the real tokenizer, on Calculator-v0 with the hf backend, in bf16
-# and in fp32; asserts every parameter and every tensor reaching the loss is on the GPU and that
-# the weights moved; prints step time and tokens/s. Under 8 minutes on one GPU.
+# GPU check of the trainer: 3 GRPO steps of a random-initialised model of SmolLM2-135M's
+# shape, with the real tokenizer, on Calculator-v0 with the hf backend, in bf16 and in fp32,
+# then 3 with partial rollouts on a long-tailed env; asserts every parameter and every tensor
+# reaching the loss is on the GPU and that the weights moved; prints step time and tokens/s.
 #
 # The device machine has Python with torch and transformers only and no network, so:
 #   here:  scripts/device-check.sh --prepare   # wheels + tokenizer + model config -> .device/
@@ -28,7 +28,10 @@ PY
     du -sh "$DIR"
     exit 0
 fi
-python3 -m venv --system-site-packages /tmp/device-venv
-/tmp/device-venv/bin/pip install -q --no-index --find-links "$DIR/wheels" \
-    gymnasium pydantic httpx pyyaml rich gguf
-PYTHONPATH=. /tmp/device-venv/bin/python scripts/device_check.py "$DIR/model"
+# The device's python3 is itself a virtualenv, so a `venv --system-site-packages` made from it
+# would not see its torch: the missing packages go to a folder on PYTHONPATH instead, and only
+# those (the image's own numpy, httpx, rich, yaml stay as they are).
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/device-site \
+    "$DIR"/wheels/{gymnasium,farama_notifications,pydantic,pydantic_core,annotated_types}-*.whl \
+    "$DIR"/wheels/{typing_inspection,typing_extensions,gguf}-*.whl
+PYTHONPATH=/tmp/device-site:. python3 scripts/device_check.py "$DIR/model"

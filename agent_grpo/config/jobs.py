@@ -266,12 +266,17 @@ class TrainConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _async_needs_workers(self) -> TrainConfig:
-        ray = self.rollout.workers.type == "ray"
-        if self.algo.max_staleness > 0 and not ray:
+        ray, partial = self.rollout.workers.type == "ray", self.rollout.partial is not None
+        if self.algo.max_staleness > 0 and not (ray or partial):
             raise ValueError(
-                f"algo.max_staleness={self.algo.max_staleness} samples ahead of the trainer, "
-                "which needs rollout workers: set rollout.workers={type: ray}"
+                f"algo.max_staleness={self.algo.max_staleness} trains samples older than the "
+                "trainer's weights, which only rollout workers (rollout.workers={type: ray}) "
+                "or partial rollouts (rollout.partial={}) take"
             )
+        if partial and self.algo.dynamic_sampling:
+            raise ValueError("rollout.partial with algo.dynamic_sampling is not built")
+        if partial and ray:
+            raise ValueError("rollout.partial with rollout.workers.type=ray is not built")
         if ray and self.algo.dynamic_sampling:
             raise ValueError("algo.dynamic_sampling with rollout.workers.type=ray is not built")
         if ray and self.model.lora is not None:

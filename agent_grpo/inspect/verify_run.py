@@ -84,6 +84,8 @@ class _AlgoSection(_View):
     """RLOO baseline."""
     turn_credit: TurnCreditConfig | None = None
     """Turn-level credit, if the run used it."""
+    max_staleness: int = 0
+    """Most policy versions a trained token may lag the trainer by."""
 
 
 class _ConfigView(_View):
@@ -126,7 +128,8 @@ class RunFacts:
         except (yaml.YAMLError, ValidationError):
             view = _ConfigView()
         algo = AlgoConfig(scale=view.algo.scale, leave_one_out=view.algo.leave_one_out,
-                          turn_credit=view.algo.turn_credit)  # fmt: skip
+                          turn_credit=view.algo.turn_credit,
+                          max_staleness=view.algo.max_staleness)  # fmt: skip
         return cls(
             run_name=view.run.name,
             group_size=view.rollout.group_size if view.rollout else None,
@@ -163,6 +166,7 @@ def _record_facts(record: TrajectoryRecord, step: int, facts: RunFacts) -> Itera
         yield f"run_id {record.run_id!r} is not this run's ({facts.run_name!r})"
     if not 0 <= record.policy_version <= step:
         yield f"policy_version {record.policy_version} is impossible at step {step} (0..{step})"
+    yield from _turn_version_problems(record, step, facts.algo.max_staleness)
     if facts.group_size is not None and record.group_size != facts.group_size:
         yield f"group_size {record.group_size}, but rollout.group_size is {facts.group_size}"
     verdict = _VerdictView.model_validate(record.verifier).success
@@ -170,6 +174,25 @@ def _record_facts(record: TrajectoryRecord, step: int, facts: RunFacts) -> Itera
         yield f"success {record.success} but the verifier said {verdict}"
     if (reward := _reward_problem(record, facts.weights)) is not None:
         yield reward
+
+
+def _turn_version_problems(record: TrajectoryRecord, step: int, bound: int) -> Iterator[str]:
+    """Partial rollouts' per-turn versions: they run up from the record's `policy_version` to at
+    most `step`, and a turn more than `bound` versions old has no trainer logprob (it was not
+    trained)."""
+    versions = [t.policy_version for t in record.turns if t.policy_version is not None]
+    if not versions:
+        return
+    if versions != sorted(versions) or versions[0] != record.policy_version or versions[-1] > step:
+        yield (f"turn policy versions {versions} do not run up from policy_version "
+               f"{record.policy_version} to at most step {step}")  # fmt: skip
+    rows = {row.branch: row for row in record.rows()}
+    for turn in record.turns:
+        old = rows[turn.branch].old_logprobs or []
+        age = step - (record.policy_version if turn.policy_version is None else turn.policy_version)
+        if age > bound and any(v is not None for v in old[turn.token_start : turn.token_end]):
+            yield (f"turn {turn.index} was sampled {age} versions before step {step} (bound "
+                   f"{bound}) but was trained")  # fmt: skip
 
 
 def _advantage_problems(

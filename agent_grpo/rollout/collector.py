@@ -54,6 +54,7 @@ from agent_grpo.trajectory.tree import TokenBuilder
 
 __all__ = [
     "CollectOptions",
+    "Collection",
     "EnvStepError",
     "PromptTooLongError",
     "RolloutMetrics",
@@ -61,6 +62,9 @@ __all__ = [
     "Task",
     "collect_groups",
     "conversation_digest",
+    "finish_metrics",
+    "group_id_of",
+    "replay_env",
 ]
 
 
@@ -155,6 +159,9 @@ class RolloutMetrics(BaseModel):
     to another worker."""
     stale_dropped: int = 0
     """Records dropped for being sampled more than `algo.max_staleness` versions ago."""
+    in_flight_groups: int = 0
+    """Groups left in flight when the collection returned, to continue on the next weights
+    (`rollout.partial`)."""
     reused_prefix_tokens: int = 0
     """Context tokens the backend served from its prefix cache instead of prefilling."""
 
@@ -174,9 +181,10 @@ class _Episode:
 
     task: Task
     index: int
-    env: gymnasium.Env[Any, Any]
+    env: gymnasium.Env[Any, Any] | None  # None once ended and restored from a checkpoint
     builder: TokenBuilder
     prompt_count: int
+    step: int = 0  # the step it was admitted for: its group id and its sampling seeds
     turns: list[TurnRecord] = field(default_factory=list)
     contexts: list[list[int]] = field(default_factory=list)
     termination: Termination | None = None
@@ -197,11 +205,13 @@ def sampling_seed(base: int, step: int, task: Task, index: int, turn: int) -> in
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
-def _start_episode(task: Task, index: int, tokenizer: Any, env_factory: EnvFactory) -> _Episode:
+def _start_episode(
+    task: Task, index: int, tokenizer: Any, env_factory: EnvFactory, step: int
+) -> _Episode:
     env = env_factory(task.env_id, **task.env_kwargs)
     observation, info = env.reset(seed=task.seed)
     prompt = [Message.model_validate(m) for m in observation]
-    episode = _Episode(task, index, env, TokenBuilder(tokenizer, prompt), len(prompt))
+    episode = _Episode(task, index, env, TokenBuilder(tokenizer, prompt), len(prompt), step)
     episode.state = read_state(info)
     return episode
 
@@ -257,12 +267,7 @@ def _policy_summary(
 
 
 def _make_room(
-    ep: _Episode,
-    config: CollectOptions,
-    backend: GenerationBackend,
-    tokenizer: Any,
-    step: int,
-    turn: int,
+    ep: _Episode, config: CollectOptions, backend: GenerationBackend, tokenizer: Any
 ) -> None:
     """Rewrite the oldest observations, as few as the context policy needs, so that a whole
     turn (`sampling.max_tokens`) fits `max_context_tokens`; `stop` leaves the context alone."""
@@ -272,7 +277,8 @@ def _make_room(
         return
     summarize: Callable[[Sequence[Message]], str] | None = None
     if isinstance(policy, CompactObservations) and policy.summarizer == POLICY_SUMMARIZER:
-        seed = sampling_seed(config.sampling.seed, step, ep.task, ep.index, turn) ^ 1
+        turn = len(ep.turns) - 1  # the turn just taken
+        seed = sampling_seed(config.sampling.seed, ep.step, ep.task, ep.index, turn) ^ 1
         summarize = functools.partial(_policy_summary, backend, tokenizer, policy, seed)
     elif isinstance(policy, CompactObservations):
         summarize = load_summarizer(policy.summarizer)
@@ -287,14 +293,13 @@ def _make_room(
 
 
 def _generate_turn(
-    active: list[_Episode],
-    backend: GenerationBackend,
-    config: CollectOptions,
-    step: int,
-    turn: int,
+    active: list[_Episode], backend: GenerationBackend, config: CollectOptions
 ) -> list[tuple[Generation, bool]]:
     prompts = [list(ep.builder.token_ids) for ep in active]
-    seeds = [sampling_seed(config.sampling.seed, step, ep.task, ep.index, turn) for ep in active]
+    seeds = [
+        sampling_seed(config.sampling.seed, ep.step, ep.task, ep.index, len(ep.turns))
+        for ep in active
+    ]
     generations = backend.generate(prompts, config.sampling, seeds)
     for ep, prompt in zip(active, prompts, strict=True):
         ep.contexts.append(prompt)
@@ -304,11 +309,12 @@ def _generate_turn(
     ]
 
 
-def _record_model_turn(ep: _Episode, gen: Generation, turn: int) -> TurnRecord:
+def _record_model_turn(ep: _Episode, gen: Generation, version: int | None) -> TurnRecord:
     state = ep.state if ep.state is not None else conversation_digest(ep.builder.messages)
     span = ep.builder.add_model_turn(gen.token_ids, gen.logprobs)
-    record = span.record(gen.finish_reason, index=turn)
+    record = span.record(gen.finish_reason, index=len(ep.turns))
     record.state = state
+    record.policy_version = version
     ep.turns.append(record)
     return record
 
@@ -324,6 +330,7 @@ def conversation_digest(messages: Sequence[Message]) -> str:
 
 
 def _step_env(ep: _Episode) -> tuple[Any, float, bool, bool, dict[str, Any], float]:
+    assert ep.env is not None, "an episode in flight has its env"
     started = time.perf_counter()
     obs, reward, terminated, truncated, info = ep.env.step(ep.builder.messages[-1].content)
     return obs, float(reward), bool(terminated), bool(truncated), info, started
@@ -374,15 +381,24 @@ def _step_or_error(future: cf.Future[Any], deadline: float, timeout_s: float) ->
         return Termination(kind="error", reason=f"{type(error).__name__}: {error}")
 
 
-def _on_fresh_env(ep: _Episode, env_factory: EnvFactory) -> Any:
-    """This turn's step again on a new env instance: reset with the task's seed and replayed
-    through the episode's earlier actions (envs are deterministic given seed and actions)."""
+def replay_env(
+    ep: _Episode, env_factory: EnvFactory, skip_last: bool = False
+) -> gymnasium.Env[Any, Any]:
+    """A new env instance where `ep`'s is: reset with the task's seed and stepped through the
+    episode's actions (all, or all but the last); envs are deterministic given seed and
+    actions, so it holds the same state."""
     env = env_factory(ep.task.env_id, **ep.task.env_kwargs)
     env.reset(seed=ep.task.seed)
     actions = [m.content for m in ep.builder.messages if m.role == "assistant"]
-    for action in actions[:-1]:
+    for action in actions[:-1] if skip_last else actions:
         env.step(action)
-    ep.env = env  # the failed one may still be stuck in its thread: it is never used again
+    return env
+
+
+def _on_fresh_env(ep: _Episode, env_factory: EnvFactory) -> Any:
+    """This turn's step again on a new env instance (`replay_env` up to this turn's action)."""
+    # the failed env may still be stuck in its thread: it is never used again
+    ep.env = replay_env(ep, env_factory, skip_last=True)
     return _step_env(ep)
 
 
@@ -455,11 +471,13 @@ def _to_record(
         reward_components={"verifier": ep.reward},
         verifier=ep.verifier,
         success=ep.success,
-        turns=ep.turns,  # with their tool calls, states and turn rewards
+        turns=ep.turns,  # with their tool calls, states, turn rewards and versions
         termination=ep.termination,
         malformed_tool_calls=ep.malformed,
         group_member_ids=[f"{group_id}/{i}" for i in range(group_size)],
-    )
+        policy_version=min((t.policy_version for t in ep.turns if t.policy_version is not None),
+                           default=0),
+    )  # fmt: skip
 
 
 def _end_turn(ep: _Episode, gen: Generation, cut: bool) -> bool:
@@ -476,14 +494,15 @@ def _run_turn(
     backend: GenerationBackend,
     tokenizer: Any,
     config: CollectOptions,
-    step: int,
-    turn: int,
     metrics: RolloutMetrics,
-    env_factory: EnvFactory = make_env,
+    env_factory: EnvFactory,
+    version: int | None,
 ) -> None:
+    """One turn of every episode in `active`: one backend call, then every env step at once;
+    `version` tags the sampled turns (None: the record's version stands for every turn)."""
     started = time.perf_counter()
     try:
-        outputs = _generate_turn(active, backend, config, step, turn)
+        outputs = _generate_turn(active, backend, config)
     except Exception as error:  # an engine failure ends this turn's trajectories, not the run
         for ep in active:
             ep.termination = Termination(kind="error", reason=f"generation failed: {error}")
@@ -491,7 +510,7 @@ def _run_turn(
     metrics.model_time_s += time.perf_counter() - started
     stepping = []
     for ep, (gen, cut) in zip(active, outputs, strict=True):
-        _record_model_turn(ep, gen, turn)
+        _record_model_turn(ep, gen, version)
         metrics.generated_tokens += len(gen.token_ids)
         metrics.reused_prefix_tokens += int(gen.extra.get("reused_tokens", 0))
         if not _end_turn(ep, gen, cut):
@@ -502,20 +521,100 @@ def _run_turn(
     metrics.env_time_s += time.perf_counter() - started
     for ep in stepping:
         if not ep.done:
-            _make_room(ep, config, backend, tokenizer, step, turn)  # may rewrite old outputs
+            _make_room(ep, config, backend, tokenizer)  # may rewrite old outputs
         if not ep.done and len(ep.builder.token_ids) >= config.max_context_tokens:
             ep.termination = Termination(kind="truncated", reason="max_context")
 
 
-def _summarise(records: Sequence[TrajectoryRecord], metrics: RolloutMetrics) -> None:
-    metrics.trajectories = len(records)
-    metrics.turns_mean = sum(len(r.turns) for r in records) / max(1, len(records))
-    calls = [c for r in records for t in r.turns for c in t.tool_calls]
-    metrics.tool_calls = len(calls)
-    metrics.tool_errors = sum(c.error is not None for c in calls)
-    metrics.truncated = sum(r.termination.kind == "truncated" for r in records)
-    metrics.errors = sum(r.termination.kind == "error" for r in records)
-    metrics.tokens_per_s = metrics.generated_tokens / max(metrics.wall_time_s, 1e-9)
+def group_id_of(step: int, task_index: int) -> str:
+    """The group id of task `task_index` admitted for `step` (`s{step}-t{task_index}`)."""
+    return f"s{step}-t{task_index}"
+
+
+class Collection:
+    """Groups of episodes in flight: admitted, continued one turn at a time (every unfinished
+    episode in one backend call), and taken out as records once a whole group has ended.
+
+    `collect_groups` admits its tasks and runs them to the end. A partial rollout
+    (`rollout/partial.py`) keeps one collection across training steps instead: it takes the
+    groups that finished and leaves the others in flight, to continue on the next weights.
+    """
+
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        tokenizer: Any,
+        config: CollectOptions,
+        *,
+        run_id: str = "",
+        env_factory: EnvFactory = make_env,
+    ) -> None:
+        self.backend, self.tokenizer, self.config = backend, tokenizer, config
+        self.run_id, self.env_factory = run_id, env_factory
+        self.metrics = RolloutMetrics()
+        """What the turns run since the last `take` cost (`take` hands them over)."""
+        self.groups: dict[str, list[_Episode]] = {}
+        """Group id -> its episodes, in admission order."""
+
+    def admit(self, tasks: Sequence[Task], step: int, first_index: int = 0) -> None:
+        """Start `group_size` episodes of every task: task i is group
+        `group_id_of(step, first_index + i)`. A prompt too long to sample from raises
+        `PromptTooLongError` and admits nothing."""
+        size = self.config.group_size
+        episodes = [
+            _start_episode(task, i, self.tokenizer, self.env_factory, step)
+            for task in tasks
+            for i in range(size)
+        ]
+        try:
+            _check_prompts_fit(episodes, self.config.max_context_tokens)
+        except PromptTooLongError:
+            for ep in episodes:
+                _close_quietly(ep.env)
+            raise
+        for t in range(len(tasks)):
+            self.groups[group_id_of(step, first_index + t)] = episodes[t * size : (t + 1) * size]
+
+    @property
+    def episodes(self) -> list[_Episode]:
+        """Every episode in flight, in admission order."""
+        return [ep for group in self.groups.values() for ep in group]
+
+    def run_turn(self, version: int | None = None) -> bool:
+        """One turn of every unfinished episode, its turns tagged `version`; False when no
+        episode was left to run."""
+        active = [ep for ep in self.episodes if not ep.done]
+        if active:
+            _run_turn(active, self.backend, self.tokenizer, self.config, self.metrics,
+                      self.env_factory, version)  # fmt: skip
+        return bool(active)
+
+    def finished(self) -> list[str]:
+        """Ids of the groups every member of which has ended, in admission order."""
+        return [g for g, members in self.groups.items() if all(ep.done for ep in members)]
+
+    def take(self, group_ids: Sequence[str], step: int) -> RolloutResult:
+        """The records of these finished groups, stamped `step`, with the metrics of the turns
+        run since the last take; they leave the collection and their envs are closed."""
+        records, episodes = [], []
+        for group_id in group_ids:
+            for ep in self.groups.pop(group_id):
+                records.append(_to_record(ep, group_id, self.config.group_size, step,
+                                          self.run_id, self.config))  # fmt: skip
+                episodes.append(ep)
+                _close_quietly(ep.env)
+        for record, ep in zip(records, episodes, strict=True):  # cheap next to sampling
+            check_invariants(record, self.tokenizer, contexts=ep.contexts)
+            if self.config.check_renders:
+                check_branch_renders(record, self.tokenizer)
+        metrics, self.metrics = self.metrics, RolloutMetrics()
+        return RolloutResult(records=records, metrics=metrics)
+
+    def close(self) -> None:
+        """Close every env still in flight (their episodes are dropped)."""
+        for ep in self.episodes:
+            _close_quietly(ep.env)
+        self.groups.clear()
 
 
 def collect_groups(
@@ -530,40 +629,33 @@ def collect_groups(
 ) -> RolloutResult:
     """Sample `config.group_size` trajectories for every task, all groups batched per turn."""
     started = time.perf_counter()
-    metrics = RolloutMetrics()
-    episodes = [
-        _start_episode(task, i, tokenizer, env_factory)
-        for task in tasks
-        for i in range(config.group_size)
-    ]
-    try:
-        _check_prompts_fit(episodes, config.max_context_tokens)
-    except PromptTooLongError:
-        for ep in episodes:
-            _close_quietly(ep.env)
-        raise
+    collection = Collection(backend, tokenizer, config, run_id=run_id, env_factory=env_factory)
+    collection.admit(tasks, step)
+    total = len(tasks) * config.group_size
     with Progress(transient=True, disable=not config.show_progress) as progress:
-        bar = progress.add_task("rollout", total=len(episodes))
-        turn = 0
-        while active := [ep for ep in episodes if not ep.done]:
-            _run_turn(active, backend, tokenizer, config, step, turn, metrics, env_factory)
-            turn += 1
-            progress.update(bar, completed=sum(ep.done for ep in episodes))
-    records = []
-    for t in range(len(tasks)):
-        group_id = f"s{step}-t{t}"
-        for ep in episodes[t * config.group_size : (t + 1) * config.group_size]:
-            records.append(_to_record(ep, group_id, config.group_size, step, run_id, config))
-            _close_quietly(ep.env)
-    for record, ep in zip(records, episodes, strict=True):  # cheap next to sampling: always on
-        check_invariants(record, tokenizer, contexts=ep.contexts)
-        if config.check_renders:
-            check_branch_renders(record, tokenizer)
-    metrics.wall_time_s = time.perf_counter() - started
-    _summarise(records, metrics)
-    return RolloutResult(records=records, metrics=metrics)
+        bar = progress.add_task("rollout", total=total)
+        while collection.run_turn():
+            progress.update(bar, completed=sum(ep.done for ep in collection.episodes))
+    result = collection.take(collection.finished(), step)
+    finish_metrics(result, time.perf_counter() - started)
+    return result
 
 
-def _close_quietly(env: gymnasium.Env[Any, Any]) -> None:
+def finish_metrics(result: RolloutResult, wall_time_s: float) -> None:
+    """Fill the metrics a collection's records decide, for a collection of `wall_time_s`."""
+    metrics, records = result.metrics, result.records
+    metrics.wall_time_s = wall_time_s
+    metrics.trajectories = len(records)
+    metrics.turns_mean = sum(len(r.turns) for r in records) / max(1, len(records))
+    calls = [c for r in records for t in r.turns for c in t.tool_calls]
+    metrics.tool_calls = len(calls)
+    metrics.tool_errors = sum(c.error is not None for c in calls)
+    metrics.truncated = sum(r.termination.kind == "truncated" for r in records)
+    metrics.errors = sum(r.termination.kind == "error" for r in records)
+    metrics.tokens_per_s = metrics.generated_tokens / max(metrics.wall_time_s, 1e-9)
+
+
+def _close_quietly(env: gymnasium.Env[Any, Any] | None) -> None:
     with contextlib.suppress(Exception):  # closing a broken env must not lose the other records
-        env.close()
+        if env is not None:
+            env.close()

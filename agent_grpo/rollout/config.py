@@ -19,6 +19,7 @@ __all__ = [
     "HFBackendConfig",
     "LocalWorkers",
     "OpenAIBackendConfig",
+    "PartialConfig",
     "RayWorkers",
     "RolloutConfig",
     "VLLMBackendConfig",
@@ -112,6 +113,18 @@ class RayWorkers(ConfigModel):
 WorkersConfig = Annotated[LocalWorkers | RayWorkers, Field(discriminator="type")]
 
 
+class PartialConfig(ConfigModel):
+    """Partial rollouts (agent_grpo/rollout/partial.py): groups still running when a step has
+    its groups continue, from where they are, on the weights that step pushes, instead of
+    holding the step back. A turn trains while it is at most `algo.max_staleness` versions old
+    and is context after that, so with `max_staleness: 0` only a carried episode's turns
+    sampled after the last update train."""
+
+    over_sample: int = Field(default=2, ge=1)
+    """Groups kept in flight beyond `tasks_per_step`: each step trains the first
+    `tasks_per_step` to finish, oldest first; the slowest carry on into later steps."""
+
+
 class CanaryConfig(ConfigModel):
     """The weight canary: after a push, every engine scores a few fixed sequences and the
     trainer compares those logprobs with its own (agent_grpo/trainer/canary.py). An engine
@@ -135,6 +148,10 @@ class RolloutConfig(ConfigModel):
     """Generation engine."""
     workers: WorkersConfig = LocalWorkers()
     """Where rollouts run: in the trainer's process (`local`) or on Ray actors (`ray`)."""
+    partial: PartialConfig | None = None
+    """Partial rollouts: a weight update does not wait for the episodes in flight
+    (`PartialConfig`; `{}` turns them on); None: every step's groups run to their end on one
+    policy."""
     tasks_per_step: int = Field(default=8, ge=1)
     """Distinct tasks (prompts) per step."""
     group_size: int = Field(default=8, ge=1)

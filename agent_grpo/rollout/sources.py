@@ -14,15 +14,18 @@ k is dropped and counted all the same. k = 0 is synchronous: a step's groups are
 after the previous update reached every worker, and the run equals the local path's.
 
 Where we depart from common practice: AReaL, verl `fully_async` and SkyRL stream single
-trajectories and may interrupt a generation for a weight update (partial rollouts); we keep
-whole collections per version, which is simpler and keeps every group on one policy, at the cost
-of some idle time at the end of a collection. Weights go through Ray's object store (one put,
-many gets); on a GPU cluster a NCCL broadcast group does this instead (docs/scaling.md).
+trajectories and may interrupt a generation for a weight update; on Ray workers we keep whole
+collections per version, which keeps every group on one policy, at the cost of some idle time at
+the end of a collection. On the trainer's own engine, `rollout.partial` carries unfinished groups
+across updates instead (agent_grpo/rollout/partial.py). Weights go through Ray's object store
+(one put, many gets); on a GPU cluster a NCCL broadcast group does this instead
+(docs/scaling.md).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,8 +35,9 @@ from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.logs import get_logger
 from agent_grpo.rollout.backends.base import GenerationBackend
 from agent_grpo.rollout.backends.factory import rollout_limits
-from agent_grpo.rollout.collector import RolloutResult
+from agent_grpo.rollout.collector import Collection, RolloutResult
 from agent_grpo.rollout.config import RayWorkers
+from agent_grpo.rollout.partial import PartialCollector, TaskStream
 from agent_grpo.rollout.step import collect, collector_config, score, step_tasks
 
 __all__ = [
@@ -77,6 +81,15 @@ class RolloutSource(Protocol):
         """Every engine's logprobs of the canary at temperature 1, after the pushes so far."""
         ...
 
+    def state(self) -> bytes | None:
+        """What a checkpoint must keep to continue these rollouts exactly (partial rollouts'
+        groups in flight); None: nothing."""
+        ...
+
+    def restore(self, state: bytes) -> None:
+        """Continue from a checkpoint's `state()`."""
+        ...
+
     def close(self) -> None:
         """Release the workers."""
         ...
@@ -92,22 +105,38 @@ def staleness(result: RolloutResult, version: int) -> dict[int, int]:
 
 
 class LocalRollouts:
-    """Rollouts on the trainer's engine, synchronous (today's default path)."""
+    """Rollouts on the trainer's engine, synchronous (the default path); with `rollout.partial`
+    the groups still running when a step has its groups continue into the next step."""
 
     def __init__(
         self, config: TrainConfig, backend: GenerationBackend, tokenizer: Any, stop: list[str]
     ) -> None:
         self.config, self.backend, self.tokenizer, self.stop = config, backend, tokenizer, stop
+        self.partial: PartialCollector | None = None
+        self.stream = TaskStream(config)
+        if config.rollout.partial is not None:
+            collection = Collection(backend, tokenizer, collector_config(config, stop),
+                                    run_id=config.run.name)  # fmt: skip
+            self.partial = PartialCollector(collection)
 
     def collect(self, step: int, version: int) -> RolloutResult:
-        """`train.rollout.collect`, each record tagged with `version`; then the engine frees its
-        caches."""
-        result = collect(self.config, self.backend, self.tokenizer, self.stop, step)
+        """`rollout.step.collect`, each record tagged with `version` (partial: the first groups
+        to finish, each turn tagged with the version that sampled it); then the engine frees
+        its caches."""
+        if self.partial is None:
+            result = collect(self.config, self.backend, self.tokenizer, self.stop, step)
+            for record in result.records:
+                record.policy_version = version
+        else:
+            per_step, partial = self.config.rollout.tasks_per_step, self.config.rollout.partial
+            assert partial is not None
+            if self.partial.in_flight == 0:  # a stream (re)started at `step` starts with its tasks
+                self.stream.position = max(self.stream.position, step * per_step)
+            admit = self.stream.take(per_step + partial.over_sample - self.partial.in_flight)
+            result = score(self.config, self.partial.collect(admit, per_step, step, version))
         # Its caches are of the weights the update is about to change: let the update use that
         # memory (the `hf` loop's packed weights and prefix KV).
         self.backend.free_caches()
-        for record in result.records:
-            record.policy_version = version
         return result
 
     def push(self, model: torch.nn.Module, version: int) -> None:
@@ -120,8 +149,23 @@ class LocalRollouts:
         logprobs = self.backend.score(sequences, targets, 1.0)
         return [EngineScore("the trainer's engine", None, logprobs)]
 
+    def state(self) -> bytes | None:
+        """Partial rollouts' groups in flight and the task stream's position; else None."""
+        if self.partial is None:
+            return None
+        return pickle.dumps((self.stream.position, self.partial.state()))
+
+    def restore(self, state: bytes) -> None:
+        """Continue the groups in flight and the task stream of a checkpoint's `state()`."""
+        if self.partial is None:
+            raise ValueError("the checkpoint holds partial rollouts, but rollout.partial is off")
+        self.stream.position, collector = pickle.loads(state)
+        self.partial.restore(collector)
+
     def close(self) -> None:
-        """The engine is the trainer's to close."""
+        """Close partial rollouts' environments in flight; the engine is the trainer's."""
+        if self.partial is not None:
+            self.partial.close()
 
 
 class RayRollouts:
@@ -199,6 +243,14 @@ class RayRollouts:
         this waits for them)."""
         scores = self.pool.score(sequences, targets)
         return [EngineScore(f"rollout worker {i}", v, lp) for i, (v, lp) in enumerate(scores)]
+
+    def state(self) -> bytes | None:
+        """Nothing: the collections in flight are resubmitted on resume."""
+        return None
+
+    def restore(self, state: bytes) -> None:
+        """Ray workers keep no state a checkpoint holds."""
+        raise ValueError("the checkpoint holds partial rollouts, which Ray workers do not take")
 
     def close(self) -> None:
         """End the actors (and the local Ray instance this started)."""

@@ -13,12 +13,12 @@ an advantage of its own (`TurnRecord.advantage`, turn-level credit), on that tur
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
+from agent_grpo.trajectory.record import Provenance, TrajectoryRecord, TurnRecord
 
 __all__ = [
     "PackedBatch",
@@ -27,6 +27,7 @@ __all__ = [
     "micro_batches_by_tokens",
     "pack_records",
     "rows_with_loss",
+    "token_versions",
 ]
 
 
@@ -100,15 +101,37 @@ def pack_records(
         loss_mask[b, :n] = torch.tensor([p is Provenance.MODEL for p in row.provenance])
         sampler[b, :n] = torch.tensor(_logprob_row(row.sampler_logprobs))
     per_record = advantages if advantages is not None else [r.advantage or 0.0 for r in records]
-    values = torch.tensor([float(per_record[e]) for e, _ in rows])[:, None].repeat(1, width)
-    for b, (e, row) in enumerate(rows):  # [B, T]
-        for turn in records[e].turns:
-            if turn.advantage is not None and turn.branch == row.branch:
-                values[b, turn.token_start : turn.token_end] = turn.advantage
+    values = _per_turn(records, width, [float(a) for a in per_record], lambda t: t.advantage)
     codes: dict[str, int] = {}
     groups = torch.tensor([codes.setdefault(records[e].group_id, len(codes)) for e, _ in rows])
     episodes = torch.tensor([e for e, _ in rows], dtype=torch.long)  # [B]
     return PackedBatch(input_ids, attention, loss_mask, sampler, values, groups, episodes)
+
+
+def token_versions(records: Sequence[TrajectoryRecord], width: int) -> torch.Tensor:
+    """The policy version that sampled each token, `[B, T]` in `pack_records`' row order: a
+    turn's own (`TurnRecord.policy_version`, partial rollouts) on its tokens in the branch it
+    was sampled in, the record's `policy_version` everywhere else."""
+    per_record = [float(r.policy_version) for r in records]
+    return _per_turn(records, width, per_record, lambda t: t.policy_version).long()
+
+
+def _per_turn(
+    records: Sequence[TrajectoryRecord],
+    width: int,
+    per_record: Sequence[float],
+    of_turn: Callable[[TurnRecord], float | None],
+) -> torch.Tensor:
+    """`[B, T]` over every row of every record: its record's value, except on the tokens of a
+    turn (in the branch it was sampled in) for which `of_turn` gives one."""
+    rows = [(e, row) for e, record in enumerate(records) for row in record.rows()]
+    values = torch.tensor([per_record[e] for e, _ in rows])[:, None].repeat(1, width)  # [B, T]
+    for b, (e, row) in enumerate(rows):
+        for turn in records[e].turns:
+            value = of_turn(turn)
+            if value is not None and turn.branch == row.branch:
+                values[b, turn.token_start : turn.token_end] = value
+    return values
 
 
 def episode_rows(batch: PackedBatch) -> list[list[int]]:

@@ -78,18 +78,31 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
+ROLLOUTS_FILE = "rollouts.bin"
+"""A checkpoint's file for what its rollout source must continue (partial rollouts' groups in
+flight), present only when there is something."""
+
+
 def save_checkpoint(
-    path: Path, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer, state: TrainerState
+    path: Path,
+    model: Any,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    state: TrainerState,
+    rollouts: bytes | None = None,
 ) -> Path:
     """Write a checkpoint directory atomically: into `NAME.tmp`, fsynced, then renamed to
     `NAME`. `RunWriter.latest_checkpoint` only counts names without a suffix, so a save that
-    crashes half way is never taken for the latest; the next save starts its temp dir over."""
+    crashes half way is never taken for the latest; the next save starts its temp dir over.
+    `rollouts`: the rollout source's `state()`, when it has one."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp / "model")
         tokenizer.save_pretrained(tmp / "model")
         torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / "trainer.pt")
+        if rollouts is not None:
+            (tmp / ROLLOUTS_FILE).write_bytes(rollouts)
         crash_point("checkpoint", state.step)  # crash tests: weights written, state not yet
         (tmp / "state.json").write_text(state.model_dump_json(indent=1))
         _fsync_tree(tmp)
@@ -164,7 +177,8 @@ def save(run: RunWriter | None, trainer: Trainer, state: TrainerState, keep: int
         optimizer = cast(torch.optim.Optimizer, full)
     if run is not None and trainer.sampler is not None:
         path = run.checkpoint_dir(state.step)
-        save_checkpoint(path, trainer.sampler, trainer.tokenizer, optimizer, state)
+        rollouts = trainer.rollouts.state() if trainer.rollouts is not None else None
+        save_checkpoint(path, trainer.sampler, trainer.tokenizer, optimizer, state, rollouts)
         run.record_checkpoint(path)  # the manifest's entry, after the rename (crash: adopted)
         crash_point("prune", state.step)  # crash tests: the new checkpoint whole, old ones kept
         for pruned in prune_checkpoints(path.parent, keep):
@@ -172,8 +186,11 @@ def save(run: RunWriter | None, trainer: Trainer, state: TrainerState, keep: int
 
 
 def restore(checkpoint: Path, trainer: Trainer) -> TrainerState:
-    """A checkpoint's optimizer, RNG and trainer state; under torchrun rank 0 reads it and sends
-    the state and the whole optimizer state to every rank (each keeps its shards)."""
+    """A checkpoint's optimizer, RNG, trainer state and the rollout source's state; under
+    torchrun rank 0 reads it and sends the state and the whole optimizer state to every rank
+    (each keeps its shards)."""
+    if trainer.rollouts is not None and (checkpoint / ROLLOUTS_FILE).exists():
+        trainer.rollouts.restore((checkpoint / ROLLOUTS_FILE).read_bytes())
     if not trainer.ctx.distributed:
         return load_checkpoint(checkpoint, trainer.optimizer)
     holder = FullOptimizerState()

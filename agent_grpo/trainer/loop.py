@@ -37,13 +37,14 @@ import torch
 import torch.distributed as dist
 
 from agent_grpo.algo.groups import advantages_of, trainable_rows, turn_advantages_of
+from agent_grpo.algo.staleness import within_staleness
 from agent_grpo.config.base import ConfigError
 from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.evaluation.in_training import print_summary, run_eval
 from agent_grpo.faults import crash_point
 from agent_grpo.preflight import preflight_train
 from agent_grpo.rollout.sources import staleness
-from agent_grpo.trainer.batch import PackedBatch, pack_records
+from agent_grpo.trainer.batch import PackedBatch, pack_records, token_versions
 from agent_grpo.trainer.checkpoint import save
 from agent_grpo.trainer.metrics import (
     StepMetrics,
@@ -94,6 +95,10 @@ def train_step(
                 turn.advantage = a
     batch = pack_records(records, trainer.tokenizer.pad_token_id)  # [B, T] per token
     batch.loss_mask &= trainable_rows(records, algo)[batch.episode_index][:, None]  # per branch
+    versions = token_versions(records, batch.input_ids.shape[1])  # [B, T] who sampled each
+    fresh = within_staleness(versions, step, algo.max_staleness)  # [B, T]
+    stale_masked = int((batch.loss_mask & ~fresh).sum())  # partial rollouts' oldest turns
+    batch.loss_mask &= fresh
     # 3. pi_old and pi_ref on the sampled tokens. The trainer scores pi_old itself before any
     #    update, unless the loss's own first pass is pi_old (`single_pass`); `old_logprobs:
     #    sampler` puts the sampler's logprobs in the ratio instead.
@@ -128,11 +133,12 @@ def train_step(
         weight_push=push_s, canary=canary_s, step=clock.total(),
     )  # fmt: skip
     mismatch = logprob_mismatch(trainer_pi_old, batch.sampler_logprobs, batch.loss_mask)
-    ages = torch.tensor([step - records[e].policy_version for e in batch.episode_index.tolist()])
-    by_age = mismatch_by_staleness(trainer_pi_old, batch.sampler_logprobs, batch.loss_mask, ages)
+    by_age = mismatch_by_staleness(
+        trainer_pi_old, batch.sampler_logprobs, batch.loss_mask, step - versions
+    )
     metrics = step_metrics(
         step, records, advantages.tolist(), rollout, update, mismatch, times,
-        staleness(rollout, step), None if canary is None else canary.mean, by_age,
+        staleness(rollout, step), None if canary is None else canary.mean, by_age, stale_masked,
     )  # fmt: skip
     return metrics, records
 

@@ -149,13 +149,13 @@ def logprob_mismatch(
 def mismatch_by_staleness(
     trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, ages: torch.Tensor
 ) -> dict[int, float]:
-    """Mean |trainer - sampler| over `mask` (`[B, T]` each) of the rows `k` policy versions
-    behind the trainer, for each `k` in `ages` (`[B]`, each row's record's). At `k = 0` the
-    engine sampled with the trainer's own weights, so the gap there is the kernels' and dtypes'
-    alone; what grows with `k` is staleness. A `k` with no scored token is left out."""
+    """Mean |trainer - sampler| over `mask` (`[B, T]` each) of the tokens `k` policy versions
+    behind the trainer, for each `k` in `ages` (`[B, T]`, each token's sampling policy's age). At
+    `k = 0` the engine sampled with the trainer's own weights, so the gap there is the kernels'
+    and dtypes' alone; what grows with `k` is staleness. A `k` with no scored token is left out."""
     out: dict[int, float] = {}
-    for k in sorted(set(ages.tolist())):
-        mean = logprob_mismatch(trainer, sampler, mask & (ages == k)[:, None])
+    for k in sorted(set(ages[mask].tolist())):
+        mean = logprob_mismatch(trainer, sampler, mask & (ages == k))
         if mean.logprob_mismatch_mean is not None:
             out[int(k)] = mean.logprob_mismatch_mean
     return out
@@ -362,6 +362,12 @@ class StepMetrics(BaseModel):
     staleness's too; written as `mismatch_staleness/<k>`."""
     stale_dropped: int
     """Records dropped for being more than `algo.max_staleness` versions old."""
+    stale_masked_tokens: int = 0
+    """Model tokens left out of the loss for being more than `algo.max_staleness` versions
+    old: the oldest turns of episodes that straddled weight updates (`rollout.partial`)."""
+    in_flight_groups: int = 0
+    """Groups left in flight after the step's collection, to continue on the new weights
+    (`rollout.partial`; 0 otherwise)."""
     worker_failures: int
     """Rollout workers that died during the step (their groups were sent to another)."""
 
@@ -423,6 +429,7 @@ def step_metrics(
     staleness: dict[int, int],
     canary_gap: float | None = None,
     mismatch_ages: dict[int, float] | None = None,
+    stale_masked_tokens: int = 0,
 ) -> StepMetrics:
     """The step's `metrics.jsonl` row from what the step produced."""
     return StepMetrics(
@@ -449,5 +456,7 @@ def step_metrics(
         staleness=staleness,
         mismatch_by_staleness=mismatch_ages or {},
         stale_dropped=rollout.metrics.stale_dropped,
+        stale_masked_tokens=stale_masked_tokens,
+        in_flight_groups=rollout.metrics.in_flight_groups,
         worker_failures=rollout.metrics.worker_failures,
     )

@@ -175,6 +175,9 @@ class TurnRecord(_Record):
     advantage: float | None = None
     """The advantage the trainer gave this turn's tokens when it differs per turn
     (`algo.turn_credit`); None: the record's `advantage`."""
+    policy_version: int | None = None
+    """The policy version that sampled this turn, when the episode straddled a weight update
+    (`rollout.partial`); None: the record's `policy_version`."""
 
 
 class Termination(_Record):
@@ -319,8 +322,9 @@ class TrajectoryRecord(_Record):
     """Group-relative advantage (filled by the trainer)."""
     policy_version: int = 0
     """Optimizer steps the sampling weights had taken (0: the policy GRPO started from, after
-    the warm start); every member of a group has the same. The trainer's version minus this is
-    the record's staleness."""
+    the warm start) when the episode's first turn was sampled; every member of a group has the
+    same. The trainer's version minus this is the record's staleness. With partial rollouts
+    later turns may be newer: each turn's own is `TurnRecord.policy_version`."""
     excluded: str | None = None
     """Why this episode was left out of its group's statistics and the loss (an infrastructure
     failure, a non-finite reward); None when it counted. Filled by the trainer."""

@@ -64,16 +64,33 @@ def snapshot(run: Path) -> dict[str, object]:
     return {"rows": rows, "records": records, "index": index, "weights": weights}
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
-    root = tmp_path_factory.mktemp("crash")
-    done = train(root, tiny_model_dir, "whole")
+# Partial rollouts: half the tasks take 6 turns, so groups are in flight at every checkpoint;
+# a resume must continue them (their token trees, turns and envs) where the killed run had them.
+PARTIAL = ["env.id=agent_grpo.testing.envs:LongTailEnv", "env.kwargs={long_every: 2}",
+           "rollout.partial={over_sample: 2}", "rollout.sampling.stop=[e]", "warm_start=null",
+           "algo.max_staleness=1"]  # fmt: skip
+
+
+def _uninterrupted(root: Path, model_dir: Path, *extra: str) -> dict[str, object]:
+    done = train(root, model_dir, "whole", *extra)
     assert done.returncode == 0, done.stderr[-3000:]
     whole = snapshot(root / "whole")
     # A comparison on dead groups (zero advantages) could not see a wrong update: every step
     # here must carry a signal, or the test proves nothing.
     steps = [row for row in whole["rows"] if "dead_group_fraction" in row]  # type: ignore[attr-defined]
     assert len(steps) == 3 and all(row["dead_group_fraction"] < 1.0 for row in steps)
+    return whole
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
+    return _uninterrupted(tmp_path_factory.mktemp("crash"), tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_partial(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
+    whole = _uninterrupted(tmp_path_factory.mktemp("crash-partial"), tiny_model_dir, *PARTIAL)
+    assert all(row.get("in_flight_groups", 2) == 2 for row in whole["rows"])  # type: ignore[attr-defined]
     return whole
 
 
@@ -84,9 +101,24 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
 def test_a_killed_run_resumes_to_the_uninterrupted_run(
     tmp_path: Path, tiny_model_dir: Path, uninterrupted: dict[str, object], point: str
 ) -> None:
-    killed = train(tmp_path, tiny_model_dir, "run", crash=point)
+    _kill_and_resume(tmp_path, tiny_model_dir, uninterrupted, point)
+
+
+# Points where groups are in flight between the last checkpoint and the kill.
+@pytest.mark.parametrize("point", ["trajectories:2", "after_step:2", "checkpoint:2"])
+def test_a_killed_partial_run_resumes_its_groups_in_flight(
+    tmp_path: Path, tiny_model_dir: Path, uninterrupted_partial: dict[str, object], point: str
+) -> None:
+    _kill_and_resume(tmp_path, tiny_model_dir, uninterrupted_partial, point, *PARTIAL)
+
+
+def _kill_and_resume(
+    tmp_path: Path, tiny_model_dir: Path, uninterrupted: dict[str, object], point: str,
+    *extra: str,
+) -> None:  # fmt: skip
+    killed = train(tmp_path, tiny_model_dir, "run", *extra, crash=point)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    resumed = train(tmp_path, tiny_model_dir, "run", "--resume")
+    resumed = train(tmp_path, tiny_model_dir, "run", *extra, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     # the fresh run's base eval and warm start are in the step-0 checkpoint: never repeated
     log = resumed.stdout + resumed.stderr  # the rich log handler writes to stdout

@@ -142,6 +142,7 @@ def test_no_group_is_staler_than_the_bound(
         rollouts.push(Weights(), step + 1)
 
 
-def test_max_staleness_needs_workers() -> None:
-    with pytest.raises(ValueError, match="needs rollout workers"):
+def test_max_staleness_needs_workers_or_partial_rollouts() -> None:
+    with pytest.raises(ValueError, match=r"only rollout workers .* or partial rollouts"):
         TrainConfig.model_validate({"algo": {"max_staleness": 1}})
+    TrainConfig.model_validate({"algo": {"max_staleness": 1}, "rollout": {"partial": {}}})

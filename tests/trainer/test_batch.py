@@ -16,6 +16,7 @@ from agent_grpo.trainer.batch import (
     micro_batches,
     micro_batches_by_tokens,
     pack_records,
+    token_versions,
 )
 from agent_grpo.trajectory.record import Message, Provenance, TrajectoryRecord
 from agent_grpo.trajectory.tree import TokenBuilder
@@ -128,3 +129,24 @@ def test_pack_records_gives_every_branch_a_row_with_its_episodes_advantage(
     assert int(batch.loss_mask[1:].sum()) == forked.lengths.model
     assert batch.loss_mask[1:].sum(1).tolist() == [4, 4, 4]  # "turn k" (3 ids) and its end
     assert episode_rows(batch) == [[0], [1, 2, 3]]
+
+
+def test_token_versions_put_each_turns_version_on_its_tokens_in_its_own_branch(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    # a partial rollout's episode: its three turns sampled by versions 3, 4 and 4, each in a
+    # branch of its own (the thinking prompt forks every turn); the plain record has none
+    forked, plain = _forked_record(tokenizer), minimal_record("g7", policy_version=5)
+    forked.policy_version = 3
+    for turn, version in zip(forked.turns, [3, 4, 4], strict=True):
+        turn.policy_version = version
+    batch = pack_records([plain, forked], pad_id=2)
+    versions = token_versions([plain, forked], batch.input_ids.shape[1])
+    assert versions.shape == batch.input_ids.shape and versions[0].eq(5).all()
+    for row, turn in zip(range(1, 4), forked.turns, strict=True):
+        span = versions[row, turn.token_start : turn.token_end].tolist()
+        assert turn.branch == row - 1 and span == [turn.policy_version] * 4
+        # the other turns' tokens in this row (context) keep the record's version
+        others = versions[row].clone()
+        others[turn.token_start : turn.token_end] = 3
+        assert others.eq(3).all()

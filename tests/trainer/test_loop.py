@@ -85,3 +85,47 @@ def test_every_tensor_reaching_the_loss_is_on_the_configured_device(
     tiny_train(tmp_path, tiny_model_dir, EVEN, "run.name=device", "steps=1", "model.device=cpu",
                "algo.beta=0.04", "algo.tis_cap=2.0")  # fmt: skip
     assert seen == {torch.device("cpu")}
+
+
+@pytest.mark.slow
+def test_partial_rollouts_train_a_carried_episodes_turns_only_within_the_bound(
+    tmp_path, tiny_model_dir
+) -> None:
+    from agent_grpo.inspect.verify_run import RunFacts, record_problems
+    from agent_grpo.run_dir.writer import RunWriter
+
+    # long_every 2: half the tasks take 6 turns, so groups are carried across updates; with
+    # max_staleness 0 only the turns sampled by the weights being trained may train
+    run = tiny_train(tmp_path, tiny_model_dir, EVEN, "run.name=partial", "steps=4",
+                     "env.id=agent_grpo.testing.envs:LongTailEnv", "env.kwargs={long_every: 2}",
+                     "rollout.partial={over_sample: 2}", "rollout.sampling.stop=[e]",
+                     "algo.speed.skip_zero_advantage=false")  # fmt: skip
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["in_flight_groups"] for r in rows] == [2, 2, 2, 2]
+    store = RunWriter.open(run)
+    steps = {step: store.read_trajectories(step) for step in store.steps()}
+    straddled = 0
+    for step, records in steps.items():
+        for record in records:
+            assert record.step == step and record.policy_version <= step
+            straddled += len({t.policy_version for t in record.turns}) > 1
+            for turn in record.turns:
+                assert record.old_logprobs is not None
+                trained = record.old_logprobs[turn.token_start : turn.token_end]
+                # excluded episodes train nothing; the others train exactly their fresh turns
+                fresh = turn.policy_version == step and record.excluded is None
+                assert all((v is not None) == fresh for v in trained), (step, turn)
+    assert straddled > 0
+    assert sum(r["stale_masked_tokens"] for r in rows) > 0
+    # replay --verify's record checks agree, and catch a stale turn that claims to have trained
+    facts = RunFacts.from_config_text((run / "config.yaml").read_text())
+    lines = {step: store.scan_step(step) for step in steps}
+    assert record_problems(lines, facts) == []
+    line = next(
+        line for step, found in lines.items() for line in found
+        if line.record is not None and any(t.policy_version != step for t in line.record.turns)
+    )  # fmt: skip
+    assert line.record is not None
+    stale = next(t for t in line.record.turns if t.policy_version != line.record.step)
+    line.record.old_logprobs[stale.token_start] = -1.0  # type: ignore[index]
+    assert any("but was trained" in p for p in record_problems(lines, facts))

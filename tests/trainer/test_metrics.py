@@ -71,12 +71,18 @@ def test_logprob_mismatch_ignores_masked_junk() -> None:
     assert out.logprob_mismatch_max == pytest.approx(0.5)
 
 
-def test_mismatch_by_staleness_splits_the_gap_by_each_rows_age() -> None:
+def test_mismatch_by_staleness_splits_the_gap_by_each_tokens_age() -> None:
     trainer = torch.tensor([[-1.0, -2.0], [-1.0, -1.0], [-3.0, 0.0]])
     sampler = torch.tensor([[-1.5, -2.0], [-2.0, -4.0], [float("nan"), 7.0]])
     mask = torch.tensor([[True, True], [True, True], [True, False]])
     # row 0 is fresh (gaps 0.5, 0), row 1 two versions behind (1, 3); row 2, also fresh, has no
-    # token both scored, so it adds nothing to age 0
-    out = mismatch_by_staleness(trainer, sampler, mask, torch.tensor([0, 2, 0]))
+    # token both scored, so it adds nothing to age 0; the unmasked token's age 5 is no key
+    ages = torch.tensor([[0, 0], [2, 2], [0, 5]])
+    out = mismatch_by_staleness(trainer, sampler, mask, ages)
     assert out == {0: pytest.approx(0.25), 2: pytest.approx(2.0)}
-    assert mismatch_by_staleness(trainer, sampler, mask & False, torch.tensor([0, 2, 0])) == {}
+    assert mismatch_by_staleness(trainer, sampler, mask & False, ages) == {}
+    # an episode that straddled an update: its first token one version behind (gap 0.5), its
+    # second fresh (gap 0); each counts under its own age
+    straddled = torch.tensor([[1, 0], [2, 2], [0, 5]])
+    out = mismatch_by_staleness(trainer, sampler, mask, straddled)
+    assert out == {0: pytest.approx(0.0), 1: pytest.approx(0.5), 2: pytest.approx(2.0)}
