@@ -30,8 +30,9 @@ Departures from common practice, on purpose:
 - Stop strings are searched in the decoded text of a row's last `4 * len(longest stop) + 1` new
   tokens (each token adds at least one UTF-8 byte), so a step costs O(1) decoding, not O(length).
   The token that completes a stop string is kept and the row stops right after it.
-- Not done: rows of one call never share a prefill, so G copies of a turn-1 prompt are encoded G
-  times (only finished rows feed the cache, which pays off from turn 2 on).
+- A call's prompts share prefills: the common prefix of all of them (an environment's system
+  prompt and tool list) and every prompt the call holds more than once (a GRPO group's G copies
+  of its task) are each prefilled once and served to the rows from the prefix cache.
 
 `Generation.extra` holds `reused_tokens` and `prefill_tokens` (per row) and `prefill_s`/`decode_s`
 (of the row's batch); `HFBackend.stats` accumulates token counts over calls.
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -95,7 +96,8 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 
 def processed_logprobs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """Log-probabilities `[B, V]` of the distribution a non-greedy row samples from."""
-    tempered = logits / sampling.temperature  # [B, V]
+    # x / 1.0 is x exactly: at temperature 1 the division is skipped, not approximated
+    tempered = logits if sampling.temperature == 1.0 else logits / sampling.temperature  # [B, V]
     return torch.log_softmax(filter_top_k_top_p(tempered, sampling.top_k, sampling.top_p), dim=-1)
 
 
@@ -104,9 +106,13 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(dim=-1)  # [B, V]
     target = (uniforms.to(cdf) * cdf[:, -1])[:, None]  # [B, 1]
     index = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [B]
-    # u * total can round up to total; fall back to the last token that has any mass.
-    last_nonzero = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)  # [B]
-    return torch.minimum(index, last_nonzero)
+    # The first CDF entry above the target always adds mass (a zero adds nothing to the sum), so
+    # only u * total rounding up to total runs past the end: there, the last token with mass.
+    past = index >= probs.shape[-1]  # [B]
+    if bool(past.any()):
+        last_nonzero = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)  # [B]
+        index = torch.where(past, last_nonzero, index)
+    return index
 
 
 def sample_tokens(
@@ -237,10 +243,13 @@ def _stack_prefixes(prefixes: list[KV | None], lengths: list[int]) -> KV:
 
 def _row_kv(cache: DynamicCache, row: int, valid_row: torch.Tensor) -> KV:
     """One row's KV over its valid slots, copied out of the batch (so the batch can be freed)."""
+    slots = valid_row.nonzero().squeeze(-1)  # [N]: found once, not once per layer
     kv: KV = []
     for layer in cast(list[DynamicLayer], cache.layers):
         assert layer.keys is not None and layer.values is not None
-        kv.append((layer.keys[row][:, valid_row], layer.values[row][:, valid_row]))  # [H, N, D]
+        kv.append(
+            (layer.keys[row].index_select(1, slots), layer.values[row].index_select(1, slots))
+        )
     return kv
 
 
@@ -260,7 +269,8 @@ class BackendStats:
 class _Row:
     prompt: list[int]
     reused: int
-    generator: torch.Generator
+    uniforms: torch.Tensor
+    """`[max_tokens]`: the draws of the row's own generator, one per token it may sample."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: Finish | None = None
@@ -274,6 +284,12 @@ class _Batch:
     cache: DynamicCache
     valid: torch.Tensor  # [B, K] bool
     logits: torch.Tensor  # [B, V] fp32
+    uniforms: torch.Tensor  # [B, max_tokens]: the active rows' draws
+
+
+def _generator(seed: int) -> torch.Generator:
+    """A row's own CPU generator."""
+    return torch.Generator().manual_seed(seed)
 
 
 def _right_aligned(lengths: Sequence[int], width: int) -> torch.Tensor:
@@ -417,19 +433,40 @@ class HFBackend:
         self.prefix_cache.insert(prefix, _row_kv(cache, 0, valid[0]))
         self.stats.prefill_tokens += shared
 
+    def _warm_repeated_prompts(self, prompts: list[list[int]]) -> None:
+        """Prefill every prompt the batch holds more than once (all but its last token) once, in
+        one batch, so its copies (a GRPO group's G samples of one task) each prefill one token.
+        """
+        counts = Counter(tuple(p) for p in prompts)
+        heads = [list(p[:-1]) for p, copies in counts.items() if copies > 1]
+        hits = [self.prefix_cache.lookup(head) for head in heads]
+        todo = [(head, hit) for head, hit in zip(heads, hits, strict=True)
+                if len(head) - hit[0] >= MIN_SHARED_PREFIX]  # fmt: skip
+        if not todo:
+            return
+        rows = [_Row(head, hit[0], torch.empty(0)) for head, hit in todo]
+        batch = self._prefill(rows, [hit for _, hit in todo], max_tokens=0)
+        for b, row in enumerate(rows):
+            self.prefix_cache.insert(row.prompt, _row_kv(batch.cache, b, batch.valid[b]))
+        self.stats.prefill_tokens += sum(len(row.prompt) - row.reused for row in rows)
+
     def _generate_chunk(
         self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]
     ) -> list[Generation]:
+        if sampling.max_tokens <= 0:
+            return [Generation([], [], "length") for _ in prompts]
         self._warm_shared_prefix(prompts)
+        self._warm_repeated_prompts(prompts)
         hits = [self.prefix_cache.lookup(p) for p in prompts]
+        # n draws at once are the n single draws in turn (CPU generators fill serially)
         rows = [
-            _Row(list(p), n, torch.Generator().manual_seed(s))
+            _Row(list(p), n, torch.rand(sampling.max_tokens, generator=_generator(s)))
             for p, (n, _), s in zip(prompts, hits, seeds, strict=True)
         ]
-        if sampling.max_tokens <= 0:
-            return [Generation([], [], "length") for _ in rows]
         started = time.perf_counter()
         batch = self._prefill(rows, hits, sampling.max_tokens)
+        self.stats.reused_tokens += sum(row.reused for row in rows)
+        self.stats.prefill_tokens += sum(len(row.prompt) - row.reused for row in rows)
         prefilled = time.perf_counter()
         while batch.active:
             self._step(rows, batch, sampling)
@@ -455,11 +492,11 @@ class HFBackend:
             ],
             dim=1,
         ).to(self.device)  # [B, L + S]
-        self.stats.reused_tokens += sum(reused)
-        self.stats.prefill_tokens += sum(len(s) for s in suffixes)
         cache = reserved_cache(valid.shape[1] + max_tokens, past)
         logits = self._forward(ids.to(self.device), valid, cache)
-        return _Batch(list(range(len(rows))), cache, valid, logits)
+        uniforms = torch.stack([row.uniforms for row in rows]) if max_tokens else torch.empty(0)
+        uniforms = uniforms.to(self.device)  # [B, max_tokens]
+        return _Batch(list(range(len(rows))), cache, valid, logits, uniforms)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast to `compute_dtype` when it is not fp32, else nothing."""
@@ -483,8 +520,8 @@ class HFBackend:
 
     def _step(self, rows: list[_Row], batch: _Batch, sampling: SamplingConfig) -> None:
         """Sample one token for every active row, retire finished rows, feed the rest."""
-        uniforms = torch.stack([torch.rand((), generator=rows[i].generator) for i in batch.active])
-        tokens, logprobs = sample_tokens(batch.logits, sampling, uniforms)  # [B], [B]
+        step = len(rows[batch.active[0]].tokens)  # every active row has sampled as many
+        tokens, logprobs = sample_tokens(batch.logits, sampling, batch.uniforms[:, step])  # [B]
         keep: list[int] = []
         for b, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist(), strict=True)):
             row = rows[batch.active[b]]
@@ -500,6 +537,7 @@ class HFBackend:
             index = torch.tensor(keep, dtype=torch.long, device=batch.valid.device)
             batch.cache.batch_select_indices(index)
             batch.valid, tokens = batch.valid[index], tokens[index]
+            batch.uniforms = batch.uniforms[index]
         batch.active = [batch.active[b] for b in keep]
         if keep:
             ones = torch.ones(len(keep), 1, dtype=torch.bool, device=batch.valid.device)

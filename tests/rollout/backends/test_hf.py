@@ -26,6 +26,7 @@ from agent_grpo.rollout.backends.hf import (
 )
 from agent_grpo.rollout.backends.kv_cache import ReservedLayer, reserved_cache
 from agent_grpo.testing.prompts import chat_ids
+from agent_grpo.testing.reference_sampler import logprob_tolerance, reference_sample
 from agent_grpo.testing.tiny_model import build_tiny_model, lively
 
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=12)
@@ -399,3 +400,58 @@ def test_generation_equals_a_plain_dynamic_cache(model_and_prompts, monkeypatch)
     plain = HFBackend(model, tokenizer).generate(batch, sampling, seeds)
     for a, b in zip(reserved, plain, strict=True):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+# --- the decoding loop against the plainest loop (agent_grpo/testing/reference_sampler.py) --------
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(temperature=1.0, max_tokens=14),
+        SamplingConfig(temperature=0.7, top_k=40, top_p=0.9, max_tokens=14),
+        SamplingConfig(temperature=0.0, max_tokens=14),
+    ],
+    ids=["t1", "top-k-top-p", "greedy"],
+)
+def test_batched_decoding_samples_what_the_reference_loop_samples(model_and_prompts, sampling):
+    """Same seeds, same ids; logprobs within fp32 reduction order. Rows of mixed lengths share a
+    batch (one prompt twice, so the shared prefill runs) and stop at different steps on ids
+    each of them samples, so finished rows leave the batch while others decode on."""
+    model, tokenizer, prompts = model_and_prompts
+    batch = [prompts[0], prompts[1], prompts[2], prompts[1], prompts[0]]
+    seeds = [3, 1, 4, 1, 5]
+    free = [
+        reference_sample(model, p, sampling, s, eos_ids=[])
+        for p, s in zip(batch, seeds, strict=True)
+    ]
+    # each row's id at a different step ends it (unless it samples one of the others' sooner)
+    eos = {row.token_ids[2 + 2 * i] for i, row in enumerate(free[:4])}
+    reference = [reference_sample(model, p, sampling, s, eos_ids=sorted(eos))
+                 for p, s in zip(batch, seeds, strict=True)]  # fmt: skip
+    assert len({len(r.token_ids) for r in reference}) >= 3  # rows really leave at different steps
+    backend = HFBackend(model, tokenizer, eos_token_ids=sorted(eos))
+    for attempt in range(2):  # the second call reuses the prefix cache the first one filled
+        out = backend.generate(batch, sampling, seeds)
+        for got, want, prompt in zip(out, reference, batch, strict=True):
+            tolerance = logprob_tolerance(model, len(prompt) + 14, want.largest_logit)
+            assert got.token_ids == want.token_ids, attempt
+            assert got.logprobs == pytest.approx(want.logprobs, abs=tolerance, rel=0), attempt
+
+
+def test_repeated_prompts_are_prefilled_once(model_and_prompts):
+    """A GRPO batch (G copies of each task): each task's prompt is encoded once, its copies
+    reuse all of it but the last token; a prompt seen once gets only the common prefix."""
+    model, tokenizer, _ = model_and_prompts
+    tasks = [chat_ids(tokenizer, f"Task {i}: " + "spell out every number from one to ten. " * 2)
+             for i in range(3)]  # fmt: skip
+    batch = [tasks[0]] * 3 + [tasks[1]] * 2 + [tasks[2]]
+    backend = HFBackend(model, tokenizer)
+    out = backend.generate(batch, SamplingConfig(temperature=1.0, max_tokens=3), list(range(6)))
+    common = min(common_prefix_len(torch.tensor(tasks[0]), torch.tensor(t)) for t in tasks[1:])
+    assert len(tasks[0]) - 1 - common >= 16  # long enough to be worth a prefill of its own
+    assert [g.extra["reused_tokens"] for g in out] == [len(tasks[0]) - 1] * 3 + [
+        len(tasks[1]) - 1
+    ] * 2 + [common]
+    encoded = common + (len(tasks[0]) - 1 - common) + (len(tasks[1]) - 1 - common)
+    assert backend.stats.prefill_tokens == encoded + 5 + len(tasks[2]) - common
