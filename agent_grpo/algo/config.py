@@ -55,7 +55,8 @@ class SpeedConfig(ConfigModel):
     micro-batch while they fit, and gradients are accumulated across micro-batches."""
     shared_prefix: bool = True
     """Run the backbone once over each group's shared prompt, the prompts of every group in a
-    micro-batch in one pass (less compute)."""
+    micro-batch in one pass (less compute); the warm start runs its demonstrations' common
+    prefix (the system prompt and tool list) once per micro-batch."""
     skip_zero_advantage: bool = True
     """With beta = 0, skip the forward pass of rows with zero advantage (they add exactly 0)."""
     recompute_mlp: bool = False

@@ -21,16 +21,19 @@ rather than silently mis-scored.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
 
 __all__ = [
     "common_prefix_length",
+    "length_buckets",
     "micro_batch_logprobs",
     "position_ids_from_mask",
     "prefix_groups",
@@ -234,8 +237,10 @@ def _grouped_prefix_logprobs(
     chunk_size: int,
     target_mask: Tensor | None = None,
 ) -> Tensor:
-    """`shared_prefix_token_logprobs` when every group has `cached[c] >= 1` prefix tokens."""
-    rows, length = input_ids.shape
+    """`shared_prefix_token_logprobs` when every group has `cached[c] >= 1` prefix tokens; rows
+    whose suffixes differ much in length run their suffixes in separate passes
+    (`length_buckets`), so short rows are not padded to the longest."""
+    rows = input_ids.shape[0]
     device = input_ids.device
     start = torch.zeros(rows, dtype=torch.long)  # [B]: where each row's suffix starts
     source = torch.zeros(rows, dtype=torch.long)  # [B]: its group's row in the prefix pass
@@ -253,32 +258,83 @@ def _grouped_prefix_logprobs(
         attention_mask=(slots[None] < prefix_lengths[:, None]).long(),  # [C, P], right-padded
         use_cache=True,
     )
-    cache = prefix.past_key_values
-    for layer in cache.layers:  # [C, ...] -> [B, ...]; index_select's backward is index_add
-        layer.keys = layer.keys.index_select(0, source)
-        layer.values = layer.values.index_select(0, source)
-    lengths = attention_mask.sum(dim=1)  # [B]
-    suffix_width = int((lengths - start).max())  # S
+    suffix_lengths = attention_mask.sum(dim=1) - start  # [B]
+    passes = length_buckets(suffix_lengths.tolist())
+    pieces = [
+        _suffix_hidden(backbone, prefix, input_ids, start, source, suffix_lengths, pass_rows)
+        for pass_rows in passes
+    ]  # each [b, T, H]
+    order = torch.tensor([r for pass_rows in passes for r in pass_rows], device=device)
+    hidden = torch.cat(pieces).index_select(0, torch.argsort(order))  # [B, T, H], rows in order
+    wanted = _wanted(attention_mask, target_mask)  # [B, T-1]
+    return _head_logprobs(model, hidden, input_ids, wanted, temperature, chunk_size)
+
+
+def _suffix_hidden(
+    backbone: nn.Module,
+    prefix: Any,
+    input_ids: Tensor,
+    start: Tensor,
+    source: Tensor,
+    suffix_lengths: Tensor,
+    rows: list[int],
+) -> Tensor:
+    """One suffix pass over `rows`, each on its group's prefix KV; their hidden states `[b, T,
+    H]` laid out as the rows' own tokens (prefix slots from the prefix pass)."""
+    device = input_ids.device
+    index = torch.tensor(rows, device=device)
+    start, source = start.index_select(0, index), source.index_select(0, index)  # [b]
+    length = input_ids.shape[1]
+    width = prefix.last_hidden_state.shape[1]  # P
+    # each row's group's prefix KV; index_select's backward is index_add into the prefix pass
+    cache = DynamicCache(ddp_cache_data=[
+        (layer.keys.index_select(0, source), layer.values.index_select(0, source))
+        for layer in prefix.past_key_values.layers
+    ])  # fmt: skip
+    suffix_width = int(suffix_lengths.index_select(0, index).max())  # S
     steps = torch.arange(suffix_width, device=device)  # [S]
-    suffix_slots = (start[:, None] + steps[None]).clamp(max=length - 1)  # [B, S]
-    suffix_valid = steps[None] < (lengths - start)[:, None]  # [B, S]
-    prefix_valid = slots[None] < start[:, None]  # [B, P]
+    suffix_slots = (start[:, None] + steps[None]).clamp(max=length - 1)  # [b, S]
+    suffix_valid = steps[None] < suffix_lengths.index_select(0, index)[:, None]  # [b, S]
+    prefix_valid = torch.arange(width, device=device)[None] < start[:, None]  # [b, P]
     suffix = backbone(
-        input_ids=input_ids.gather(1, suffix_slots),  # [B, S]
-        attention_mask=torch.cat([prefix_valid, suffix_valid], dim=1).long(),  # [B, P + S]
-        position_ids=torch.where(suffix_valid, start[:, None] + steps[None], 0),  # [B, S]
+        input_ids=input_ids.index_select(0, index).gather(1, suffix_slots),  # [b, S]
+        attention_mask=torch.cat([prefix_valid, suffix_valid], dim=1).long(),  # [b, P + S]
+        position_ids=torch.where(suffix_valid, start[:, None] + steps[None], 0),  # [b, S]
         past_key_values=cache,
         use_cache=True,
     )
     both = torch.cat(
         [prefix.last_hidden_state.index_select(0, source), suffix.last_hidden_state], 1
-    )
+    )  # [b, P + S, H]
     positions = torch.arange(length, device=device)[None]  # [1, T]
     take = torch.where(positions < start[:, None], positions, width + positions - start[:, None])
-    take = take.clamp(max=both.shape[1] - 1)  # [B, T]: padding reads any slot, never scored
-    hidden = both.gather(1, take[..., None].expand(-1, -1, both.shape[-1]))  # [B, T, H]
-    wanted = _wanted(attention_mask, target_mask)  # [B, T-1]
-    return _head_logprobs(model, hidden, input_ids, wanted, temperature, chunk_size)
+    take = take.clamp(max=both.shape[1] - 1)  # [b, T]: padding reads any slot, never scored
+    return both.gather(1, take[..., None].expand(-1, -1, both.shape[-1]))  # [b, T, H]
+
+
+PASS_TOKENS = 128
+"""What one more suffix pass costs, in padded tokens' worth of work (its dispatch, and the lower
+efficiency of smaller matmuls): rows run in another pass when that saves more padding than this.
+Chosen from the update timings in docs/benchmarks.md ("Suffix passes by length")."""
+
+
+def length_buckets(lengths: Sequence[int], pass_tokens: int = PASS_TOKENS) -> list[list[int]]:
+    """Rows (indices into `lengths`) in passes of similar length: of the splits of the rows
+    sorted by length, the one with the fewest padded tokens (a pass's rows x its longest)
+    plus `pass_tokens` a pass."""
+    order = sorted(range(len(lengths)), key=lambda r: lengths[r])
+    best = [0] + [math.inf] * len(order)  # best[k]: cost of the k shortest rows
+    cut = [0] * (len(order) + 1)  # cut[k]: where the last pass of that best split starts
+    for end in range(1, len(order) + 1):
+        for first in range(end):
+            cost = best[first] + (end - first) * lengths[order[end - 1]] + pass_tokens
+            if cost < best[end]:
+                best[end], cut[end] = cost, first
+    passes, end = [], len(order)
+    while end > 0:
+        passes.append(order[cut[end] : end])
+        end = cut[end]
+    return passes[::-1]
 
 
 def prefix_groups(input_ids: Tensor, target_mask: Tensor) -> list[list[int]]:

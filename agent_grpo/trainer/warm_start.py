@@ -4,7 +4,10 @@ A 135M model never calls a tool unaided, so GRPO would see only zero-reward grou
 episodes go through the same `TokenBuilder` as rollouts, so the loss covers exactly the `model`
 tokens (the expert's turns plus their end-of-turn token) and nothing the environment wrote.
 An expert is a deterministic policy: each of its tokens has probability 1, so its records carry
-sampler logprob 0.0, which is exact, not a placeholder.
+sampler logprob 0.0, which is exact, not a placeholder. The demonstrations of one environment
+share its system prompt and tool list: with `algo.speed.shared_prefix` a micro-batch runs that
+common prefix once (`shared_prefix_token_logprobs`, the rows as one group), the same loss and
+gradients up to rounding.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.envs.registry import make_env
 from agent_grpo.envs.text_env import train_seeds
-from agent_grpo.models.logprobs import token_logprobs
+from agent_grpo.models.logprobs import shared_prefix_token_logprobs, token_logprobs
 from agent_grpo.trainer.batch import micro_batches_by_tokens, pack_records
 from agent_grpo.trainer.optimizer import adamw
 from agent_grpo.trainer.policy import autocast
@@ -70,12 +73,21 @@ def sft_loss(
     batch: Any,
     denominator: int,
     compute_dtype: torch.dtype = torch.float32,
+    shared_prefix: bool = False,
 ) -> torch.Tensor:
-    """Negative log-likelihood summed over model tokens, divided by `denominator`."""
+    """Negative log-likelihood summed over model tokens, divided by `denominator`; with
+    `shared_prefix` the rows' common prefix runs once."""
     with autocast(batch.input_ids.device, compute_dtype):
-        logprobs = token_logprobs(
-            model, batch.input_ids, batch.attention_mask, target_mask=batch.loss_mask
-        ).float()  # [B, T]
+        if shared_prefix:
+            everyone = [list(range(batch.input_ids.shape[0]))]
+            logprobs = shared_prefix_token_logprobs(
+                model, batch.input_ids, batch.attention_mask, everyone, target_mask=batch.loss_mask
+            )  # [B, T]
+        else:
+            logprobs = token_logprobs(
+                model, batch.input_ids, batch.attention_mask, target_mask=batch.loss_mask
+            )  # [B, T]
+        logprobs = logprobs.float()
     mask = batch.loss_mask  # [B, T]
     return -torch.where(mask, logprobs, 0.0).sum() / denominator
 
@@ -91,6 +103,7 @@ def train_sft(
     micro_batch_tokens: int = 4096,
     seed: int = 0,
     compute_dtype: torch.dtype = torch.float32,
+    shared_prefix: bool = False,
 ) -> list[float]:
     """Fit the model to the records' model tokens; returns the mean NLL of each optimizer step.
 
@@ -109,7 +122,8 @@ def train_sft(
             total = 0.0
             lengths = batch.attention_mask.sum(dim=1).tolist()
             for rows in micro_batches_by_tokens(lengths, micro_batch_tokens):
-                loss = sft_loss(model, batch.select(rows), denominator, compute_dtype)
+                loss = sft_loss(model, batch.select(rows), denominator, compute_dtype,
+                                shared_prefix)  # fmt: skip
                 loss.backward()
                 total += float(loss.detach())
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -135,4 +149,5 @@ def warm_start(
         policy, demos, pad_id=tokenizer.pad_token_id, epochs=ws.epochs,
         batch_size=ws.batch_size, lr=ws.lr, micro_batch_tokens=config.algo.speed.micro_batch_tokens,
         seed=config.seed, compute_dtype=compute_dtype,
+        shared_prefix=config.algo.speed.shared_prefix,
     )  # fmt: skip

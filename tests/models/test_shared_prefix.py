@@ -7,6 +7,7 @@ import torch
 
 from agent_grpo.models.logprobs import (
     common_prefix_length,
+    length_buckets,
     micro_batch_logprobs,
     prefix_groups,
     shared_prefix_token_logprobs,
@@ -156,3 +157,35 @@ def test_rows_without_a_prefix_run_apart(sharp_model) -> None:
                                      target_mask=targets)  # fmt: skip
     hook.remove()
     assert seen == [3, 7, 1]
+
+
+def test_length_buckets_split_where_padding_costs_more_than_a_pass() -> None:
+    lengths = [5, 300, 6, 290, 7]
+    # one pass: 5 rows x 300 + 128 = 1628; short and long apart: 3 x 7 + 2 x 300 + 2 x 128 = 877;
+    # the long two apart as well: 21 + 290 + 300 + 3 x 128 = 995
+    assert length_buckets(lengths, pass_tokens=128) == [[0, 2, 4], [3, 1]]
+    assert length_buckets(lengths, pass_tokens=10**6) == [[0, 2, 4, 3, 1]]
+    assert length_buckets(lengths, pass_tokens=0) == [[0], [2], [4], [3], [1]]
+    assert length_buckets([], pass_tokens=128) == []
+
+
+def test_suffixes_of_very_different_lengths_run_in_separate_passes(sharp_model) -> None:
+    """Two long answers and two short ones: one prefix pass, then the short suffixes and the
+    long ones in passes of their own, with the plain path's values and gradients."""
+    ids, mask = group_batch(sharp_model.config.vocab_size, prefix=9, suffixes=[300, 2, 3, 280])
+    targets = mask.clone()
+    targets[:, :9] = 0
+    plain = token_logprobs(sharp_model, ids, mask, target_mask=targets)
+    plain.sum().backward()
+    plain_grads = [p.grad.clone() for p in sharp_model.parameters()]
+    sharp_model.zero_grad()
+    seen, hook = backbone_batches(sharp_model)
+    shared = shared_prefix_token_logprobs(sharp_model, ids, mask, [[0, 1, 2, 3]],
+                                          target_mask=targets)  # fmt: skip
+    hook.remove()
+    assert seen == [1, 2, 2]  # the prefix, the short rows, the long rows
+    shared.sum().backward()
+    assert torch.allclose(shared, plain, atol=2e-5)
+    assert (shared[targets == 1] != 0).all()
+    for got, want in zip((p.grad for p in sharp_model.parameters()), plain_grads, strict=True):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
