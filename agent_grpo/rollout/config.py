@@ -170,6 +170,11 @@ class RolloutConfig(ConfigModel):
     branch more per episode. The cheap invariants run on every record regardless."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings for training rollouts."""
+    mismatch_causes_every: int = Field(default=0, ge=0)
+    """Every this many steps, split the sampler/trainer logprob gap of the tokens the trainer's
+    own weights sampled into the sampling filter's, the engine dtype's and the kernels' shares
+    (`mismatch_cause/<name>`, agent_grpo/trainer/mismatch.py): one more forward pass without
+    gradient. 0: never. Staleness's share is logged every step (`mismatch_staleness/<k>`)."""
     canary: CanaryConfig | None = None
     """Check after weight pushes that every engine holds the pushed weights (`CanaryConfig`;
     `{}` checks every push); None: no check."""

@@ -341,6 +341,9 @@ class StepMetrics(BaseModel):
     """Seconds of the pi_old forward pass before the update (0 with `algo.single_pass`)."""
     reference_time_s: float = 0.0
     """Seconds of the pi_ref forward pass (0 without a reference)."""
+    mismatch_causes_time_s: float = 0.0
+    """Seconds of the pass that splits the sampler/trainer gap by cause (0 when it did not
+    run, `rollout.mismatch_causes_every`)."""
     update_time_s: float = 0.0
     """Seconds of the optimizer steps (forward, backward, optimizer)."""
     weight_push_time_s: float = 0.0
@@ -360,6 +363,10 @@ class StepMetrics(BaseModel):
     """{k: mean |trainer - sampler| logprob over the model tokens of records k versions behind}
     (`mismatch_by_staleness`): at 0 the kernels' and dtypes' share of the gap, above it
     staleness's too; written as `mismatch_staleness/<k>`."""
+    mismatch_causes: dict[str, float] = {}
+    """{cause: mean |trainer - sampler|} over the tokens the trainer's own weights sampled, by
+    cause (filter, dtype, kernels; `trainer/mismatch.py`), on the steps that measure it
+    (`rollout.mismatch_causes_every`); written as `mismatch_cause/<name>`."""
     stale_dropped: int
     """Records dropped for being more than `algo.max_staleness` versions old."""
     stale_masked_tokens: int = 0
@@ -383,6 +390,8 @@ class StepMetrics(BaseModel):
                 out.update({f"staleness/{k}": v for k, v in value.items()})
             elif name == "mismatch_by_staleness":
                 out.update({f"mismatch_staleness/{k}": v for k, v in value.items()})
+            elif name == "mismatch_causes":
+                out.update({f"mismatch_cause/{k}": v for k, v in value.items()})
             else:
                 out[name] = value
         return out
@@ -408,6 +417,9 @@ class StepTimes:
     """The trainer's pi_old pass before the update."""
     reference: float
     """The pi_ref pass."""
+    mismatch_causes: float
+    """The engine-view pass that splits the sampler/trainer gap by cause (0 when it did not
+    run)."""
     update: float
     """The optimizer steps."""
     weight_push: float
@@ -430,6 +442,7 @@ def step_metrics(
     canary_gap: float | None = None,
     mismatch_ages: dict[int, float] | None = None,
     stale_masked_tokens: int = 0,
+    mismatch_causes: dict[str, float] | None = None,
 ) -> StepMetrics:
     """The step's `metrics.jsonl` row from what the step produced."""
     return StepMetrics(
@@ -448,6 +461,7 @@ def step_metrics(
         rollout_wait_time_s=times.rollout_wait,
         old_logprobs_time_s=times.old_logprobs,
         reference_time_s=times.reference,
+        mismatch_causes_time_s=times.mismatch_causes,
         update_time_s=times.update,
         weight_push_time_s=times.weight_push,
         canary_time_s=times.canary,
@@ -455,6 +469,7 @@ def step_metrics(
         reward_means=reward_means(records),
         staleness=staleness,
         mismatch_by_staleness=mismatch_ages or {},
+        mismatch_causes=mismatch_causes or {},
         stale_dropped=rollout.metrics.stale_dropped,
         stale_masked_tokens=stale_masked_tokens,
         in_flight_groups=rollout.metrics.in_flight_groups,

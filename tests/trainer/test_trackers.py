@@ -60,9 +60,10 @@ def test_every_flat_key_gets_a_group_and_names_stay_distinct() -> None:
     for part in ("rollout", "signal", "mismatch", "update"):
         flat += list(fields[part].annotation.model_fields)  # type: ignore[union-attr]
     flat = [k for k in flat if k not in {"step", "reward_means", "staleness",
-                                         "mismatch_by_staleness"}]  # fmt: skip
+                                         "mismatch_by_staleness", "mismatch_causes"}]  # fmt: skip
     flat += ["rewards/verifier/mean", "rewards/even/mean", "staleness/0", "staleness/2",
-             "mismatch_staleness/0", "mismatch_staleness/1"]  # fmt: skip
+             "mismatch_staleness/0", "mismatch_staleness/1", "mismatch_cause/filter",
+             "mismatch_cause/kernels"]  # fmt: skip
     names = [grouped_name(k) for k in flat]
     assert len(set(names)) == len(names)
     assert {n.split("/")[0] for n in names} == GROUPS
@@ -78,6 +79,7 @@ def test_every_flat_key_gets_a_group_and_names_stay_distinct() -> None:
     assert grouped_name("canary_gap") == "mismatch/canary_gap"
     assert grouped_name("staleness/1") == "rollout/staleness/1"
     assert grouped_name("mismatch_staleness/1") == "mismatch/staleness/1"
+    assert grouped_name("mismatch_cause/dtype") == "mismatch/cause/dtype"
     assert grouped_name("worker_failures") == "rollout/worker_failures"
 
 
