@@ -14,6 +14,7 @@ from agent_grpo.rollout.backends.hf import processed_logprobs
 from agent_grpo.testing.cli_runs import tiny_train
 from agent_grpo.testing.records import minimal_record
 from agent_grpo.testing.reward_rules import reward_override
+from agent_grpo.testing.tiny_model import save_tiny_llama
 from agent_grpo.trainer.batch import pack_records
 from agent_grpo.trainer.mismatch import EngineView, engine_view, mismatch_causes
 from agent_grpo.trajectory.record import Provenance
@@ -79,3 +80,17 @@ def test_a_run_logs_the_filters_share_and_what_the_kernels_leave(tmp_path, tiny_
         # the renormalisation of a 0.9 nucleus is far above kernel noise; fp32 on both sides
         assert row["mismatch_cause/filter"] > 1e-3 and row["mismatch_cause/kernels"] < 1e-3
         assert "mismatch_cause/dtype" not in row and row["mismatch_causes_time_s"] > 0
+
+
+@pytest.mark.slow
+def test_a_bf16_vllm_engine_under_fp32_training_logs_the_dtypes_share(tmp_path, tokenizer) -> None:
+    model_dir = tmp_path / "tiny-llama"  # head_dim 32: vLLM's CPU attention takes no 16
+    save_tiny_llama(model_dir, tokenizer)
+    run = tiny_train(tmp_path, model_dir, reward_override("even", "even_tokens"),
+                     "run.name=vllm-bf16", "steps=1", "rollout.mismatch_causes_every=1",
+                     "rollout.backend={type: vllm, dtype: bfloat16}")  # fmt: skip
+    [row] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert row["excluded_trajectories"] == 0  # the engine sampled every episode
+    # bf16 rounds logprobs at about 2^-8 relative: far above fp32's kernel noise
+    assert row["mismatch_cause/dtype"] > 1e-4 and "mismatch_cause/filter" not in row
+    assert math.isfinite(row["mismatch_cause/kernels"])
