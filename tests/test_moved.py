@@ -22,6 +22,7 @@ from agent_grpo.testing import tiny_model
         ("agent_grpo.rollout.hf_backend", "agent_grpo.rollout.backends.hf"),
         ("agent_grpo.tools.call_format", "agent_grpo.tools.formats"),
         ("agent_grpo.toolcalls", "agent_grpo.tools.formats"),
+        ("agent_grpo.testing.templates", "agent_grpo.inspect.rewriting_templates"),
     ],
 )
 def test_a_moved_module_names_its_new_place(old: str, new: str) -> None:

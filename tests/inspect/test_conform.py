@@ -12,7 +12,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.inspect.conform import conform
-from agent_grpo.testing.templates import QWEN3_STYLE, TEST_TEMPLATES, with_template
+from agent_grpo.inspect.rewriting_templates import QWEN3_STYLE, TEST_TEMPLATES, with_template
 from agent_grpo.tools.formats.hermes import HermesToolCallFormat
 
 
