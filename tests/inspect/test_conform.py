@@ -59,7 +59,7 @@ def test_a_format_that_does_not_round_trip_fails(tokenizer: PreTrainedTokenizerB
     assert report.lines()[-1] == "lossy: FAILS 1 checks"
 
 
-@pytest.mark.slow  # a subprocess that imports transformers: about 5 s
+@pytest.mark.slow  # a subprocess that imports transformers
 def test_a_template_that_rewrites_tool_output_cannot_be_used(
     tmp_path: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:
