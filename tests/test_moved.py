@@ -43,3 +43,18 @@ def test_a_name_loading_never_had_fails_as_usual() -> None:
     with pytest.raises(ImportError, match="cannot import name 'no_such_name'"):
         exec("from agent_grpo.models.loading import no_such_name", {})
     assert not hasattr(loading, "no_such_name")
+
+
+@pytest.mark.parametrize(
+    ("name", "new"),
+    [
+        ("verify_record", "agent_grpo.inspect.verify"),
+        ("Divergence", "agent_grpo.inspect.verify"),
+        ("logprob_drift", "agent_grpo.inspect.drift"),
+        ("recompute_logprobs", "agent_grpo.inspect.drift"),
+    ],
+)
+def test_a_record_check_imported_from_curves_names_its_new_module(name: str, new: str) -> None:
+    moved = f"agent_grpo.inspect.curves.{name} moved: import it from {new}"
+    with pytest.raises(ImportError, match=re.escape(moved)):
+        exec(f"from agent_grpo.inspect.curves import {name}", {})
