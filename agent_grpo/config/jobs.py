@@ -6,12 +6,13 @@ the generation backend (`hf`, `vllm`, `openai`) and each extra reward source.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, get_args
 
 from pydantic import Field, field_validator, model_validator
 
 from agent_grpo.algo.config import AlgoConfig, SpeedConfig
-from agent_grpo.config.base import ConfigModel
+from agent_grpo.config.base import ConfigModel, anchor_file_names
 from agent_grpo.rewards import RewardSourceConfig
 from agent_grpo.rollout.config import (
     BackendConfig,
@@ -104,6 +105,18 @@ class EnvConfig(ConfigModel):
     """Registered gymnasium id or `package.module:Class`."""
     kwargs: dict[str, Any] = {}
     """Keyword arguments for the environment constructor (e.g. max_turns, difficulty)."""
+
+    @classmethod
+    def anchor_files(cls, raw: dict[str, Any], folder: Path) -> None:
+        """The kwargs the env declares as file names (`TextEnv.file_kwargs`)."""
+        kwargs = raw.get("kwargs")
+        if not isinstance(kwargs, dict) or not kwargs:
+            return
+        from agent_grpo.envs.registry import file_kwargs  # only a config with env kwargs pays
+
+        for name in file_kwargs(str(raw.get("id", cls.model_fields["id"].default))):
+            if name in kwargs:
+                kwargs[name] = anchor_file_names(kwargs[name], folder)
 
 
 class WarmStartConfig(ConfigModel):

@@ -301,8 +301,8 @@ def conform(
 
 
 def _cmd_conform(args: argparse.Namespace) -> int:
+    from agent_grpo.inspect.rewriting_templates import TEST_TEMPLATES, with_template
     from agent_grpo.models.loading import load_tokenizer
-    from agent_grpo.testing.templates import TEST_TEMPLATES, with_template
     from agent_grpo.tools.formats.registry import get_tool_format, tool_format_for
 
     tokenizer = load_tokenizer(args.model)
@@ -328,7 +328,7 @@ def _cmd_conform(args: argparse.Namespace) -> int:
 
 def add_conform_parser(subparsers: Any) -> argparse.ArgumentParser:
     """The `conform` subcommand."""
-    from agent_grpo.testing.templates import TEST_TEMPLATES
+    from agent_grpo.inspect.rewriting_templates import TEST_TEMPLATES
 
     parser = subparsers.add_parser(
         "conform", help="check a model's tokenizer, chat template and tool-call format"

@@ -103,3 +103,25 @@ def test_a_turn_that_fills_the_context_is_refused(override: str) -> None:
 def test_an_eval_turn_that_fills_the_context_is_refused() -> None:
     with pytest.raises(ValueError, match=r"eval.max_tokens=512 is not less than max_context"):
         EvalRunConfig.model_validate({"max_context_tokens": 512, "eval": {"max_tokens": 512}})
+
+
+@pytest.mark.parametrize(
+    ("cls", "env_id", "anchored"),
+    [
+        (TrainConfig, "agent_grpo/Dataset-v0", True),
+        (EvalRunConfig, "agent_grpo/Dataset-v0", True),
+        (TrainConfig, "agent_grpo/Calculator-v0", False),  # declares no file_kwargs
+        (TrainConfig, "no_such_module:Env", False),  # preflight names it; loading does not fail
+    ],
+)
+def test_only_the_file_names_an_env_declares_are_read_beside_the_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cls: type, env_id: str, anchored: bool
+) -> None:
+    (tmp_path / "project" / "data").mkdir(parents=True)
+    (tmp_path / "project" / "data" / "rows.jsonl").write_text("{}\n")
+    path = tmp_path / "project" / "job.yaml"
+    path.write_text(f"env:\n  id: {env_id}\n  kwargs:\n    data_files: data/rows.jsonl\n")
+    monkeypatch.chdir(tmp_path)
+    config = load_config(cls, path)
+    full = str((tmp_path / "project" / "data" / "rows.jsonl").resolve())
+    assert config.env.kwargs["data_files"] == (full if anchored else "data/rows.jsonl")

@@ -12,7 +12,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.inspect.conform import conform
-from agent_grpo.testing.templates import QWEN3_STYLE, TEST_TEMPLATES, with_template
+from agent_grpo.inspect.rewriting_templates import QWEN3_STYLE, TEST_TEMPLATES, with_template
 from agent_grpo.tools.formats.hermes import HermesToolCallFormat
 
 
@@ -59,7 +59,7 @@ def test_a_format_that_does_not_round_trip_fails(tokenizer: PreTrainedTokenizerB
     assert report.lines()[-1] == "lossy: FAILS 1 checks"
 
 
-@pytest.mark.slow  # a subprocess that imports transformers: about 5 s
+@pytest.mark.slow  # a subprocess that imports transformers
 def test_a_template_that_rewrites_tool_output_cannot_be_used(
     tmp_path: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:

@@ -13,10 +13,10 @@ from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.config.base import load_config
 from agent_grpo.config.jobs import TrainConfig
+from agent_grpo.inspect.rewriting_templates import THINKING_PROMPT, with_template
 from agent_grpo.testing.backends import SeededFinal
 from agent_grpo.testing.cli_runs import agent_grpo, metrics
 from agent_grpo.testing.reward_rules import reward_override
-from agent_grpo.testing.templates import THINKING_PROMPT, with_template
 from agent_grpo.testing.tiny_model import save_tiny_model
 from agent_grpo.trainer import setup
 from agent_grpo.trainer.loop import train

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerBase
 
+from agent_grpo.inspect.rewriting_templates import QWEN3_STYLE, THINKING_PROMPT, with_template
 from agent_grpo.testing.records import builder_record
-from agent_grpo.testing.templates import QWEN3_STYLE, THINKING_PROMPT, with_template
 from agent_grpo.trajectory.invariants import (
     TrajectoryInvariantError,
     check_branch_renders,
