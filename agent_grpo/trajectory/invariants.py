@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.trajectory.record import Provenance, TokenRow, TrajectoryRecord
+from agent_grpo.trajectory.segments import first_difference
 from agent_grpo.trajectory.tokens import (
-    _first_difference,
     count_lengths,
     render_branch,
     turn_end_ids,
@@ -124,7 +124,7 @@ def _check_forks(record: TrajectoryRecord, rows: Sequence[TokenRow]) -> None:
                 record.uid, None, f"fork_at {fork.fork_at} is out of range", k
             )
         if fork.token_ids[: fork.fork_at] != parent[: fork.fork_at]:
-            at = _first_difference(fork.token_ids, parent)
+            at = first_difference(fork.token_ids, parent)
             raise TrajectoryInvariantError(
                 record.uid,
                 at,
@@ -197,7 +197,7 @@ def _check_contexts(
         if list(context) != expected:
             raise TrajectoryInvariantError(
                 record.uid,
-                _first_difference(context, expected),
+                first_difference(context, expected),
                 f"turn {k} context ({len(context)} ids) is not token_ids[:{turn.token_start}]",
                 turn.branch,
             )
@@ -242,7 +242,7 @@ def check_branch_renders(record: TrajectoryRecord, tokenizer: PreTrainedTokenize
         provenance = [p.provenance for p in pieces for _ in p.ids]
         if ids != row.token_ids or provenance != row.provenance:
             at = min(
-                _first_difference(ids, row.token_ids), _first_difference(provenance, row.provenance)
+                first_difference(ids, row.token_ids), first_difference(provenance, row.provenance)
             )
             raise TrajectoryInvariantError(
                 record.uid,

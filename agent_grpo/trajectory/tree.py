@@ -35,10 +35,10 @@ from agent_grpo.trajectory.record import (
     TrajectoryRecord,
     TurnRecord,
 )
+from agent_grpo.trajectory.segments import first_difference
 from agent_grpo.trajectory.tokens import (
     ChatTemplateError,
     Piece,
-    _first_difference,
     count_lengths,
     render_branch,
     turn_end_ids,
@@ -264,7 +264,7 @@ class TokenBuilder:
         pieces = self._render(messages, turns, set())
         fork = _Branch(self._branches.index(parent), 0, "", messages, turns)
         fork.extend(pieces)
-        fork.fork_at = _first_difference(parent.ids, fork.ids)
+        fork.fork_at = first_difference(parent.ids, fork.ids)
         fork.reason = reason or _why(pieces, fork.fork_at, why_messages, messages, turns)
         self._branches.append(fork)
 
