@@ -30,7 +30,11 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.tools.formats.base import ParsedToolCall, ToolCallFormat
-from agent_grpo.trajectory.invariants import check_branch_renders, check_invariants
+from agent_grpo.trajectory.invariants import (
+    check_branch_renders,
+    check_invariants,
+    forged_control_ids,
+)
 from agent_grpo.trajectory.record import (
     Message,
     Provenance,
@@ -38,12 +42,7 @@ from agent_grpo.trajectory.record import (
     TrajectoryRecord,
 )
 from agent_grpo.trajectory.structured import assistant_view
-from agent_grpo.trajectory.tokens import (
-    ChatTemplateError,
-    _special_ids,
-    render_branch,
-    turn_end_ids,
-)
+from agent_grpo.trajectory.tokens import ChatTemplateError, turn_end_ids
 from agent_grpo.trajectory.tree import TokenBuilder
 
 __all__ = ["Check", "ConformReport", "add_conform_parser", "conform"]
@@ -167,46 +166,10 @@ def _episode(
     return record, contexts, sampled
 
 
-def _forged(record: TrajectoryRecord, tokenizer: PreTrainedTokenizerBase, special: set[int]) -> int:
-    """Control ids inside content (prompt, observation, rewritten turns) over every branch."""
-    rows = record.rows()
-    sampled = [rows[t.branch].token_ids[t.token_start : t.token_end] for t in record.turns]
-    conversations: list[tuple[list[Message], list[int | None] | None]] = [
-        (record.messages[: record.root_messages_count or len(record.messages)], None)
-    ]
-    conversations += [(f.messages, f.message_turns) for f in record.forks]
-    forged = 0
-    for branch, (messages, turns) in enumerate(conversations):
-        if turns is None:  # branch 0: its assistant messages are the turns, in order
-            count = iter(range(len(record.turns)))
-            turns = [
-                next(count) if i >= record.prompt_messages_count and m.role == "assistant" else None
-                for i, m in enumerate(messages)
-            ]
-        trained = {t.index for t in record.turns if t.branch == branch}
-        pieces = render_branch(
-            tokenizer,
-            messages,
-            turns,
-            sampled,
-            trained,
-            prompt_messages_count=record.prompt_messages_count,
-            turn_end=turn_end_ids(tokenizer).id,
-        )
-        for piece in pieces:
-            content = piece.message is not None and (
-                piece.provenance in (Provenance.PROMPT, Provenance.OBSERVATION) or piece.rewritten
-            )
-            if content:
-                forged += sum(i in special for i in piece.ids)
-    return forged
-
-
 def _tree_checks(
     tokenizer: PreTrainedTokenizerBase, fmt: ToolCallFormat, conversations: int, seed: int
 ) -> list[Check]:
     rng = random.Random(seed)
-    special = _special_ids(tokenizer)
     forked = turns = forks = forged = mismatched = miscounted = 0
     first_problem = ""
     for _ in range(conversations):
@@ -227,7 +190,7 @@ def _tree_checks(
             if p is Provenance.MODEL
         ]
         miscounted += trained != sampled
-        forged += _forged(record, tokenizer, special)
+        forged += forged_control_ids(record, tokenizer)
     shape = "append-only" if not forks else f"forking: {forked} of {conversations} episodes"
     return [
         Check("history", True, f"{shape}, {forks} forks over {turns} turns"),

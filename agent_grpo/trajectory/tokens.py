@@ -73,6 +73,7 @@ __all__ = [
     "encode_template",
     "render_branch",
     "segment_conversation",
+    "special_ids",
     "turn_end_ids",
     "turn_text",
 ]
@@ -106,7 +107,8 @@ class TurnEnd:
 _PROBE = (Message(role="user", content="hi"), Message(role="assistant", content="ok"))
 
 
-def _special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The ids of the tokenizer's special tokens, added ones included."""
     added = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
     return added | set(tokenizer.all_special_ids)
 
@@ -132,7 +134,7 @@ def turn_end_ids(tokenizer: PreTrainedTokenizerBase) -> TurnEnd:
     """
     closing = _closing_id(tokenizer)
     eos = tokenizer.eos_token_id
-    if closing is not None and closing in _special_ids(tokenizer):
+    if closing is not None and closing in special_ids(tokenizer):
         end = closing
     elif isinstance(eos, int):
         end = eos
