@@ -205,6 +205,35 @@ class _Conversation:
             return json.dumps(value, ensure_ascii=False)
         return value if isinstance(value, str) else None
 
+    def unquoted(self, items: Sequence[_Item], real: str) -> list[_Item]:
+        """`items` where a quoted slot holds text the template wrote between literal quotes
+        (`"` + content + `"`, not `tojson`): that slot plain, the quotes template text. Seen
+        against the rendering `real`, left to right, up to the first place they part."""
+        out = list(items)
+        pos = 0
+        for k, item in enumerate(out):
+            if isinstance(item, str):
+                if not real.startswith(item, pos):
+                    break
+                pos += len(item)
+                continue
+            slot, after = item, out[k + 1]
+            assert isinstance(after, str)
+            if self._literal(slot, real, pos, after):
+                slot = replace(slot, quoted=False)
+                out[k - 1], out[k], out[k + 1] = f'{out[k - 1]}"', slot, f'"{after}'
+                pos += 1
+            pos += len(self.text(slot) or "")
+        return out
+
+    def _literal(self, slot: _Slot, real: str, pos: int, after: str) -> bool:
+        """Whether the template wrote a quoted slot's text between literal quotes at `pos`."""
+        value = self.values(slot.message).get(slot.field)
+        if not slot.quoted or not isinstance(value, str):
+            return False
+        as_json = (self.text(slot) or "") + after
+        return not real.startswith(as_json, pos) and real.startswith(f'"{value}"{after}', pos)
+
     def rebuilt(self, items: Sequence[_Item]) -> str:
         """The rendering `items` stand for, every slot's value written in."""
         return "".join(item if isinstance(item, str) else self.text(item) or "" for item in items)
@@ -225,8 +254,10 @@ def segment_conversation(
     `rewritten`; every other message's content must still be rendered verbatim.
     """
     conv = _Conversation.of(tokenizer, messages)
-    skeleton = conv.split(_render(tokenizer, conv.dicts(_every), generation_prompt))
     real = _render(tokenizer, conv.dicts(_none), generation_prompt)
+    skeleton = conv.unquoted(
+        conv.split(_render(tokenizer, conv.dicts(_every), generation_prompt)), real
+    )
     order = [item.ref for item in skeleton if isinstance(item, _Slot)]
     in_order = all(a < b for a, b in itertools.pairwise(order))
     missing = [ref for ref in conv.refs() if ref not in order and conv.turns[ref[0]] is None]
@@ -283,7 +314,9 @@ def _segment_rewritten(
     def others(i: int, k: int) -> bool:
         return not conv.plain_assistant(i)
 
-    parts = conv.split(_render(tokenizer, conv.dicts(others), generation_prompt))
+    parts = conv.unquoted(
+        conv.split(_render(tokenizer, conv.dicts(others), generation_prompt)), real
+    )
     slots = [item for item in parts if isinstance(item, _Slot)]
     expected = [s.ref for s in skeleton if isinstance(s, _Slot) and others(*s.ref)]
     rebuilt = conv.rebuilt(parts)

@@ -93,3 +93,28 @@ def test_arguments_a_template_writes_its_own_way_are_refused(
         segment_conversation(tok, messages, generation_prompt=True)
     with pytest.raises(ChatTemplateError, match="does not render"):
         segment_conversation(tok, messages, generation_prompt=True, rewrites=True)
+
+
+@pytest.mark.parametrize(
+    ("write", "text"),
+    [
+        ("'\"' + m['content'] + '\"'", RESULT.content),  # between literal quotes: verbatim
+        ("m['content'] | tojson", json.dumps(RESULT.content)),  # a JSON string
+    ],
+)
+def test_tool_output_written_between_quotes_or_as_json(
+    tokenizer: PreTrainedTokenizerBase, write: str, text: str
+) -> None:
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'tool' %}{{ " + write + " }}{% else %}{{ m['content'] }}{% endif %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tok = with_template(tokenizer, template)
+    messages = [*PROMPT, Message(role="assistant", content="call"), RESULT]
+    segments = segment_conversation(tok, messages, generation_prompt=True)
+    [result] = [s for s in segments if s.message == 3]
+    assert result.text == text
+    assert "".join(s.text for s in segments) == tok.apply_chat_template(
+        [m.to_template() for m in messages], tokenize=False, add_generation_prompt=True
+    )
