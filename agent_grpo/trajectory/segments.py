@@ -323,8 +323,8 @@ def _segment_rewritten(
     if [s.ref for s in slots] != expected or rebuilt != real or None in map(conv.text, slots):
         pos = first_difference(rebuilt, real)
         raise ChatTemplateError(
-            f"chat template {template!r} does not render non-assistant content verbatim at "
-            f"character {pos}: {_snippet(real, pos)!r}"
+            f"chat template {template!r} does not render content verbatim (other than an "
+            f"assistant message's text) at character {pos}: {_snippet(real, pos)!r}"
         )
     regions = _slot_regions(skeleton, conv)
     segments: list[Segment] = []

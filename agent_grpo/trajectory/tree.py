@@ -4,7 +4,8 @@ changes.
 Most chat templates only append: the context of turn k+1 is the context of turn k, its sampled
 ids, and the tokens of what came back. Then the episode is one row, as before. When the next
 context is not an extension of the tokens held (a Qwen3-style template rewrites an earlier turn's
-reasoning, a context policy drops or compacts old observations), a new branch starts: the
+reasoning, a gpt-oss template renders a call from its `tool_calls` otherwise than it was sampled,
+a context policy drops or compacts old observations), a new branch starts: the
 from-scratch rendering of the new conversation (`tokens.render_branch`), sharing its longest
 common prefix with the branch it leaves (`fork_at`). Each branch is one training row.
 
