@@ -266,7 +266,7 @@ def segment_conversation(
         if rebuilt == real and all(
             conv.text(s) is not None for s in skeleton if isinstance(s, _Slot)
         ):
-            return _join_turns(tokenizer, conv, _segments(conv, skeleton), template)
+            return _join_turns(tokenizer, conv, _segments(conv, skeleton))
         if not rewrites:
             pos = first_difference(rebuilt, real)
             raise ChatTemplateError(
@@ -279,7 +279,7 @@ def segment_conversation(
             f"in order (got message order {[str(i) for i, _ in order]})"
         )
     segments = _segment_rewritten(tokenizer, conv, skeleton, real, generation_prompt, template)
-    return _join_turns(tokenizer, conv, segments, template)
+    return _join_turns(tokenizer, conv, segments)
 
 
 def _segments(conv: _Conversation, items: Sequence[_Item]) -> list[Segment]:
@@ -417,10 +417,7 @@ def _locate_assistants(
 
 
 def _join_turns(
-    tokenizer: PreTrainedTokenizerBase,
-    conv: _Conversation,
-    segments: list[Segment],
-    template: str,
+    tokenizer: PreTrainedTokenizerBase, conv: _Conversation, segments: list[Segment]
 ) -> list[Segment]:
     """Each structured assistant message's field segments, as one verbatim segment of its text
     (with `parts`) where its rendering reproduces it, else marked `rewritten`."""

@@ -54,9 +54,7 @@ def final_text(name: str, answer: str, analysis: bool = True) -> str:
     """A final answer as the family writes it."""
     if name == "deepseek-v3-style":
         return answer
-    return (
-        ANALYSIS.removesuffix("<|start|>assistant") + "<|start|>assistant" if analysis else ""
-    ) + (f"<|channel|>final<|message|>{answer}")
+    return (ANALYSIS if analysis else "") + f"<|channel|>final<|message|>{answer}"
 
 
 def call_text(name: str, arguments: dict[str, Any], tool: str = "add") -> str:
