@@ -22,6 +22,7 @@ __all__ = [
     "expert_record",
     "group_records",
     "minimal_record",
+    "tool_turn_record",
 ]
 
 
@@ -62,6 +63,32 @@ def minimal_record(
         "lengths": Lengths(total=len(provenance), model=model),
     }
     return TrajectoryRecord(**(values | fields))
+
+
+def tool_turn_record(
+    call: ToolCallRecord,
+    *,
+    user: str,
+    model: str,
+    tool: str,
+    tool_name: str | None,
+    provenance: list[Provenance],
+    **fields: Any,
+) -> TrajectoryRecord:
+    """A one-turn tool episode: `user` asks, the assistant's turn (the `model` tokens of
+    `provenance`, text `model`) makes `call`, the tool `tool_name` answers `tool`; ids count up
+    from 0 unless `fields` say otherwise, and `fields` set anything else (`minimal_record`)."""
+    model_at = [i for i, p in enumerate(provenance) if p is Provenance.MODEL]
+    turn = TurnRecord(index=0, model_text=model, token_start=model_at[0],
+                      token_end=model_at[-1] + 1, finish_reason="stop",
+                      tool_calls=[call])  # fmt: skip
+    messages = [Message(role="user", content=user), Message(role="assistant", content=model),
+                Message(role="tool", content=tool, name=tool_name)]  # fmt: skip
+    values: dict[str, Any] = {"token_ids": list(range(len(provenance))), "task_id": "t",
+                              "prompt_messages_count": 1}  # fmt: skip
+    return minimal_record(
+        provenance=provenance, messages=messages, turns=[turn], **(values | fields)
+    )
 
 
 def calculator_record(

@@ -146,8 +146,9 @@ def train_step(
     # 6. what the step did
     _annotate(records, trainer_pi_old, pi_ref, batch)
     times = StepTimes(
-        rollout_wait=waited, old_logprobs=old_s, reference=ref_s, mismatch_causes=view_s,
-        update=update_s, weight_push=push_s, canary=canary_s, step=clock.total(),
+        step_time_s=clock.total(), rollout_wait_time_s=waited, old_logprobs_time_s=old_s,
+        reference_time_s=ref_s, mismatch_causes_time_s=view_s, update_time_s=update_s,
+        weight_push_time_s=push_s, canary_time_s=canary_s,
     )  # fmt: skip
     mismatch = logprob_mismatch(trainer_pi_old, batch.sampler_logprobs, batch.loss_mask)
     by_age = mismatch_by_staleness(

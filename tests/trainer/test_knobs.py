@@ -118,7 +118,7 @@ def rows(run: Path) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, lines) if "loss" in r]
 
 
-STEP_KEYS = set(StepMetrics.model_fields) - {"rollout", "signal", "mismatch", "update",
+STEP_KEYS = set(StepMetrics.model_fields) - {"rollout", "signal", "mismatch", "update", "times",
                                              "reward_means", "staleness",
                                              "mismatch_by_staleness",
                                              "mismatch_causes"}  # fmt: skip
@@ -127,7 +127,7 @@ STEP_KEYS = set(StepMetrics.model_fields) - {"rollout", "signal", "mismatch", "u
 def metric_names() -> set[str]:
     """Every key a step row must have: the fields of `StepMetrics` and of its parts."""
     names = set(STEP_KEYS)
-    for part in ("rollout", "signal", "mismatch", "update"):
+    for part in ("rollout", "signal", "mismatch", "update", "times"):
         names |= set(StepMetrics.model_fields[part].annotation.model_fields)  # type: ignore[union-attr]
     return names
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerBase
 
@@ -25,6 +25,7 @@ from agent_grpo.inspect.rewriting_templates import (
     with_template,
 )
 from agent_grpo.testing.records import builder_record
+from agent_grpo.testing.strategies import hostile_text, observations, tree_settings
 from agent_grpo.tools.formats import DeepSeekV3ToolCallFormat, HarmonyToolCallFormat
 from agent_grpo.tools.formats.base import ParsedToolCall, ToolCallFormat
 from agent_grpo.trajectory.invariants import (
@@ -301,10 +302,9 @@ HOSTILE = [
     "🙂",
     "\ue000slot0.0\ue001",
 ]
-pieces = st.one_of(st.sampled_from(HOSTILE), st.text(st.characters(codec="ascii"), max_size=6))
-hostile_text = st.lists(pieces, max_size=4).map("".join)
+hostile = hostile_text(HOSTILE, pieces=4, chars=6)
 arguments = st.dictionaries(
-    st.sampled_from(["a", "b", "q"]), st.one_of(hostile_text, st.integers(-99, 99)), max_size=2
+    st.sampled_from(["a", "b", "q"]), st.one_of(hostile, st.integers(-99, 99)), max_size=2
 )
 
 
@@ -341,11 +341,9 @@ turns = st.lists(
         Turn,
         kind=st.sampled_from(["call", "two calls", "final", "anything"]),
         arguments=arguments,
-        text=hostile_text,
+        text=hostile,
         tight=st.booleans(),
-        observation=st.builds(
-            Message, role=st.sampled_from(["tool", "user"]), content=hostile_text, name=st.none()
-        ),
+        observation=observations(hostile),
         compact=st.booleans(),
     ),
     min_size=1,
@@ -353,12 +351,7 @@ turns = st.lists(
 )
 
 
-@settings(
-    max_examples=30,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+@tree_settings(30)
 @given(turns=turns)
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_random_structured_episodes_train_each_token_once_and_forge_nothing(

@@ -8,12 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.inspect.rewriting_templates import QWEN3_STYLE, THINKING_PROMPT, with_template
 from agent_grpo.testing.records import builder_record
+from agent_grpo.testing.strategies import hostile_text, observations, tree_settings
 from agent_grpo.trajectory.invariants import (
     TrajectoryInvariantError,
     check_branch_renders,
@@ -209,8 +210,7 @@ HOSTILE = [
     "🙂",
     "\ue000slot0\ue001",
 ]
-pieces = st.one_of(st.sampled_from(HOSTILE), st.text(st.characters(codec="ascii"), max_size=8))
-hostile_text = st.lists(pieces, max_size=5).map("".join)
+hostile = hostile_text(HOSTILE, pieces=5, chars=8)
 
 
 @dataclass
@@ -223,10 +223,8 @@ class Turn:
 turns = st.lists(
     st.builds(
         Turn,
-        model_text=hostile_text,
-        observation=st.builds(
-            Message, role=st.sampled_from(["tool", "user"]), content=hostile_text, name=st.none()
-        ),
+        model_text=hostile,
+        observation=observations(hostile),
         compact=st.booleans(),
     ),
     min_size=1,
@@ -234,12 +232,7 @@ turns = st.lists(
 )
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+@tree_settings(40)
 @given(turns=turns, template=st.sampled_from(["chatml", "qwen3", "thinking"]))
 def test_random_episodes_train_each_token_once_and_forge_nothing(
     tokenizer: PreTrainedTokenizerBase, turns: list[Turn], template: str
