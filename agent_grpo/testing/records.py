@@ -22,7 +22,9 @@ __all__ = [
     "expert_record",
     "group_records",
     "minimal_record",
+    "sampled_ids",
     "tool_turn_record",
+    "truncated_record",
 ]
 
 
@@ -208,6 +210,21 @@ def builder_record(builder: TokenBuilder, **overrides: Any) -> TrajectoryRecord:
         "termination": Termination(kind="terminated", reason="final_answer"),
     }
     return builder.to_record(**(fields | overrides))
+
+
+def truncated_record(builder: TokenBuilder) -> TrajectoryRecord:
+    """`builder_record` of an episode a limit ended (max_turns): nothing is verified."""
+    return builder_record(builder, termination=Termination(kind="truncated", reason="max_turns"))
+
+
+def sampled_ids(record: TrajectoryRecord) -> list[int]:
+    """Every `model` id of every row of `record`, in row order: each sampled id once."""
+    return [
+        t
+        for row in record.rows()
+        for t, p in zip(row.token_ids, row.provenance, strict=True)
+        if p is Provenance.MODEL
+    ]
 
 
 def expert_record(env_id: str, seed: int, **env_kwargs: Any) -> TrajectoryRecord:

@@ -24,7 +24,7 @@ from agent_grpo.inspect.rewriting_templates import (
     FamilyTemplate,
     with_template,
 )
-from agent_grpo.testing.records import builder_record
+from agent_grpo.testing.records import sampled_ids, truncated_record
 from agent_grpo.testing.strategies import hostile_text, observations, tree_settings
 from agent_grpo.tools.formats import DeepSeekV3ToolCallFormat, HarmonyToolCallFormat
 from agent_grpo.tools.formats.base import ParsedToolCall, ToolCallFormat
@@ -33,7 +33,7 @@ from agent_grpo.trajectory.invariants import (
     check_invariants,
     forged_control_ids,
 )
-from agent_grpo.trajectory.record import Message, Provenance, Termination, TrajectoryRecord
+from agent_grpo.trajectory.record import Message, Provenance, TrajectoryRecord
 from agent_grpo.trajectory.structured import PLAIN, assistant_view
 from agent_grpo.trajectory.tree import TokenBuilder
 
@@ -72,19 +72,6 @@ def sample(
     ids += [] if any(text.endswith(s) for s in stops) else [builder.turn_end.id]
     builder.add_model_turn(ids, [-0.5] * len(ids))
     return ids
-
-
-def record_of(builder: TokenBuilder) -> TrajectoryRecord:
-    return builder_record(builder, termination=Termination(kind="truncated", reason="max_turns"))
-
-
-def model_ids(record: TrajectoryRecord) -> list[int]:
-    return [
-        t
-        for row in record.rows()
-        for t, p in zip(row.token_ids, row.provenance, strict=True)
-        if p is Provenance.MODEL
-    ]
 
 
 def check_tree(record: TrajectoryRecord, tok: PreTrainedTokenizerBase) -> None:
@@ -144,9 +131,9 @@ def test_calls_as_the_model_writes_them_render_back_as_sampled(
         assert calls == [ParsedToolCall(name="add", arguments=arguments, raw=calls[0].raw)]
         builder.add_observations([Message(role="tool", content=f"{k + 5}", name="add")])
     last = sample(builder, tok, final_text(name, "The answer is 9."), fmt.stop_strings)
-    record = record_of(builder)
+    record = truncated_record(builder)
     assert record.lengths.branches == 1 and record.forks == []  # append-only
-    assert model_ids(record) == sampled + last
+    assert sampled_ids(record) == sampled + last
     check_tree(record, tok)
     # the structured messages the parser reads, rendered by the template, are the ids held
     messages = [
@@ -179,9 +166,9 @@ def test_harmony_analysis_dropped_after_a_final_answer_forks(
     # both analyses are gone; the final answer closes with `<|end|>`, not the sampled `<|return|>`
     assert "Need the tool." not in text and "<|channel|>final<|message|>5<|end|>" in text
     third = sample(builder, tok, final_text("harmony-style", "10", analysis=False), [])
-    record = record_of(builder)
+    record = truncated_record(builder)
     check_tree(record, tok)
-    assert model_ids(record) == first + second + third
+    assert sampled_ids(record) == first + second + third
     assert [t.branch for t in record.turns] == [0, 0, 1]
 
 
@@ -213,9 +200,9 @@ def test_arguments_written_with_other_spacing_fork_with_the_templates_json(
     builder.add_observations([Message(role="tool", content="5", name="add")])
     assert builder.branch_count == 2 and builder.forks()[0].reason == "template rewrote turn 0"
     second = sample(builder, tok, final_text(name, "5"), stops)
-    record = record_of(builder)
+    record = truncated_record(builder)
     check_tree(record, tok)  # the special-looking text in the rewritten arguments is plain
-    assert model_ids(record) == first + second
+    assert sampled_ids(record) == first + second
     fork = record.forks[0]
     context = [
         t for t, p in zip(fork.token_ids, fork.provenance, strict=True) if p is Provenance.CONTEXT
@@ -243,7 +230,7 @@ def test_a_malformed_harmony_call_is_rendered_as_text_and_forks(
     assert fork.token_ids[at : at + len(ids)] == ids
     assert set(fork.provenance[at : at + len(ids)]) == {Provenance.CONTEXT}
     sample(builder, tok, final_text("harmony-style", "5"), [])
-    check_tree(record_of(builder), tok)
+    check_tree(truncated_record(builder), tok)
 
 
 def test_a_malformed_deepseek_call_is_its_text_and_stays_append_only(
@@ -257,7 +244,7 @@ def test_a_malformed_deepseek_call_is_its_text_and_stays_append_only(
     builder.add_observations([Message(role="tool", content="Error: no code block", name="add")])
     sample(builder, tok, "5", [])
     assert builder.branch_count == 1  # the template writes a turn without calls as its text
-    check_tree(record_of(builder), tok)
+    check_tree(truncated_record(builder), tok)
 
 
 def test_hostile_tool_output_under_harmony_is_json_text(
@@ -275,7 +262,7 @@ def test_hostile_tool_output_under_harmony_is_json_text(
     ]
     assert tok.decode(observed) == json.dumps(hostile, ensure_ascii=False)  # written by `tojson`
     sample(builder, tok, final_text("harmony-style", "5"), [])
-    record = record_of(builder)
+    record = truncated_record(builder)
     assert record.forks == []
     check_tree(record, tok)
 
@@ -370,9 +357,9 @@ def test_random_structured_episodes_train_each_token_once_and_forge_nothing(
             builder.replace_messages({3: summary}, reason="compact")
     contexts.append(builder.token_ids)
     sampled += sample(builder, tok, final_text(name, "done"), stops)
-    record = record_of(builder)
+    record = truncated_record(builder)
     check_invariants(record, tok, contexts=contexts)
     check_branch_renders(record, tok)
     assert forged_control_ids(record, tok) == 0
-    assert model_ids(record) == sampled  # each sampled id trained once, in order
+    assert sampled_ids(record) == sampled  # each sampled id trained once, in order
     assert TrajectoryRecord.from_json_line(record.to_json_line()) == record
