@@ -111,10 +111,10 @@ class RayWorkers(ConfigModel):
     """Custom Ray resources each actor needs, e.g. `{rollout_node: 1}` to place the actors on
     the nodes started with `ray start --resources '{"rollout_node": 1}'` (docs/scaling.md).
     CPUs and GPUs are the two fields above."""
-    weight_sync: Literal["object_store", "broadcast"] = "object_store"
-    """How a push reaches the actors. `object_store`: one `ray.put` that every actor reads.
-    `broadcast`: the trainer broadcasts each tensor over a process group it shares with the
-    actors (gloo for CPU weights, NCCL for CUDA weights; agent_grpo/rollout/weight_sync.py).
+    weight_sync: Literal["object_store", "broadcast"] = "broadcast"
+    """How a push reaches the actors. `broadcast`: the trainer broadcasts the tensors over a
+    process group it shares with the actors (gloo for CPU weights, NCCL for CUDA weights;
+    agent_grpo/rollout/weight_sync.py). `object_store`: one `ray.put` that every actor reads.
     Timings of both: docs/benchmarks.md; why the default: docs/scaling.md."""
 
     @field_validator("resources")

@@ -4,8 +4,10 @@
 so a group never straddles two policies' weights) in contiguous blocks to the workers, runs
 `collect_groups` in each, and returns the records in task order with the group ids a single
 `collect_groups` call would give. Sampling seeds come from (seed, step, task, index, turn) in the
-collector, so which worker ran a task does not change its trajectory. `update_weights` puts the
-state dict in the object store once; every actor loads that one copy.
+collector, so which worker ran a task does not change its trajectory. `update_weights` reaches
+the actors by broadcast over a weight group of the trainer and the actors
+(`agent_grpo/rollout/weight_sync.py`; the default) or through the object store (one copy that
+every actor reads); either way each actor loads it after the collections queued before it.
 
 Ray is imported only when a pool is built: the single-process path (`collect_groups` with a
 backend in the trainer process) stays the default and needs no Ray. The caller owns `ray.init`
@@ -17,6 +19,10 @@ Where we depart from common practice:
   that issued them, and a worker needs only the model directory and the env registry.
 - Blocks are balanced by task count, not by expected tokens (every task has G samples; lengths
   are unknown in advance). Metrics of a collection add up counts; times are the slowest worker's.
+- A broadcast is received beside a collection in progress (a Ray concurrency group of its own)
+  and kept until the actor's queue reaches its load, so a push never waits for a collection;
+  the price is one more copy of the weights per actor while it waits (the object store's copy
+  costs the same). verl and OpenRLHF instead push when the engines are idle.
 """
 
 from __future__ import annotations
@@ -249,7 +255,7 @@ class RayRolloutPool:
         num_cpus_per_worker: float = 1.0,
         num_gpus_per_worker: float = 0.0,
         resources: Mapping[str, float] | None = None,
-        weight_sync: WeightSync = "object_store",
+        weight_sync: WeightSync = "broadcast",
         lora: LoraSettings | None = None,
         adapters: int = 1,
     ) -> None:
