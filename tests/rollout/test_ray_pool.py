@@ -379,18 +379,32 @@ def train_tiny(root: Path, model_dir: Path, name: str, *settings: str) -> Path:
 def test_synchronous_ray_training_is_the_local_run(
     ray_local: Any, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    import json
-
-    from safetensors.torch import load_file
-
-    from agent_grpo.run_dir.writer import RunWriter
-    from agent_grpo.testing.cli_runs import deterministic
-
     # With the weight canary on: every push is checked on both actors (their version and their
     # logprobs, which are the trainer's to fp32 rounding), and on the local engine.
     local = train_tiny(tmp_path, tiny_model_dir, "local", "rollout.canary={}")
     remote = train_tiny(tmp_path, tiny_model_dir, "ray", "rollout.canary={}",
                         "rollout.workers={type: ray, num_workers: 2}")  # fmt: skip
+    assert_same_runs(local, remote, "model.safetensors")
+    rows = metrics_rows(local)
+    assert all(row["canary_gap"] == 0.0 for row in rows)  # the hf engine samples the policy
+
+
+def metrics_rows(run: Path) -> list[dict[str, float]]:
+    """The deterministic part of each metrics row of a run."""
+    import json
+
+    from agent_grpo.testing.cli_runs import deterministic
+
+    return [deterministic(json.loads(x)) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_runs(local: Path, remote: Path, weights_file: str) -> None:
+    """The 2 steps' records (ids, tokens, rewards, one policy version per step) equal, every
+    metric within fp32 rounding, the final weights (`model/<weights_file>`) within 1e-6."""
+    from safetensors.torch import load_file
+
+    from agent_grpo.run_dir.writer import RunWriter
+
     for run in (local, remote):
         assert RunWriter.open(run).steps() == [0, 1]
     for step in (0, 1):
@@ -402,15 +416,29 @@ def test_synchronous_ray_training_is_the_local_run(
             (r.uid, r.token_ids, r.reward) for r in b
         ]
         assert {r.policy_version for r in b} == {step}
-    rows = [[deterministic(json.loads(x)) for x in (run / "metrics.jsonl").read_text().splitlines()]
-            for run in (local, remote)]  # fmt: skip
-    for got, want in zip(rows[1], rows[0], strict=True):
+    for got, want in zip(metrics_rows(remote), metrics_rows(local), strict=True):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
-        assert want["canary_gap"] == 0.0  # the local hf engine samples from the policy itself
-    weights = [load_file(sorted((r / "checkpoints").iterdir())[-1] / "model" / "model.safetensors")
+    weights = [load_file(sorted((r / "checkpoints").iterdir())[-1] / "model" / weights_file)
                for r in (local, remote)]  # fmt: skip
     for name, tensor in weights[0].items():
         torch.testing.assert_close(weights[1][name], tensor, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_lora_training_on_ray_workers_is_the_local_run(
+    ray_local: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The warm start trains the adapter, so every push (the adapter alone) matters. One worker:
+    it samples each step in one batch, as the local engine does (a split batch may round a GEMM
+    differently, and a LoRA model's flat distributions then flip a token; see
+    `whole_collection`)."""
+    lora = "model.lora={r: 4, alpha: 8}"
+    local = train_tiny(tmp_path, tiny_model_dir, "lora-local", lora, "rollout.canary={}")
+    remote = train_tiny(tmp_path, tiny_model_dir, "lora-ray", lora, "rollout.canary={}",
+                        "rollout.workers={type: ray, num_workers: 1}")  # fmt: skip
+    assert_same_runs(local, remote, "adapter_model.safetensors")
+    rows = metrics_rows(remote)
+    assert all(row["canary_gap"] == 0.0 for row in rows)  # the worker runs the pushed adapter
 
 
 @pytest.mark.slow
