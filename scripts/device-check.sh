@@ -2,7 +2,8 @@
 # GPU check of the trainer (issue 12, part 4): 3 GRPO steps of a random-initialised model of
 # SmolLM2-135M's shape, with the real tokenizer, on Calculator-v0 with the hf backend, in bf16
 # and in fp32; asserts every parameter and every tensor reaching the loss is on the GPU and that
-# the weights moved; prints step time and tokens/s. Under 8 minutes on one GPU.
+# the weights moved; prints step time and tokens/s. Under 8 minutes on one GPU. Then the rollout
+# worker checks of scripts/device_check_ray.py (weight pushes, a vLLM actor; issue 26).
 #
 # The device machine has Python with torch and transformers only and no network, so:
 #   here:  scripts/device-check.sh --prepare   # wheels + tokenizer + model config -> .device/
@@ -32,3 +33,8 @@ python3 -m venv --system-site-packages /tmp/device-venv
 /tmp/device-venv/bin/pip install -q --no-index --find-links "$DIR/wheels" \
     gymnasium pydantic httpx pyyaml rich gguf
 PYTHONPATH=. /tmp/device-venv/bin/python scripts/device_check.py "$DIR/model"
+
+# Rollout workers (issue 26): weight pushes from GPU weights (gloo to a CPU process; NCCL to a
+# second GPU, skipped with one) and a vLLM engine as a Ray actor (skipped, with the reason,
+# where vllm or ray is not importable). Separate from the trainer checks above.
+PYTHONPATH=. /tmp/device-venv/bin/python scripts/device_check_ray.py "$DIR/model"
