@@ -145,6 +145,7 @@ class RolloutWorker:
         self.received: dict[int, dict[str, torch.Tensor]] = {}
         """Broadcast weights by version, kept until `apply_weights` loads them in turn."""
         self.lock = threading.Lock()
+        """Guards `received` between the `weights` group's thread and the default one."""
 
     def collect(self, tasks: list[Task], step: int, run_id: str) -> RolloutResult:
         """`collect_groups` over these tasks, numbered from 0 (the pool renumbers groups); every
