@@ -29,7 +29,7 @@ from record import RESULTS_DIR
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ("rollout_throughput", "train_throughput", "train_throughput-notes", "reference_dtype",
          "memory_scaling", "tool_runtime", "lora_memory", "async_rollout",
-         "canary_cost")  # fmt: skip
+         "canary_cost", "weight_push")  # fmt: skip
 Result = dict[str, Any]
 
 
@@ -396,6 +396,26 @@ def async_section(r: Result) -> str:
     ])  # fmt: skip
 
 
+def weight_push_section(r: Result) -> str:
+    """A weight push to Ray rollout actors by each path."""
+    res, s = r["results"], r["settings"]
+    rows = []
+    for key, x in res.items():
+        model, path = key.split("|")
+        rows.append([model, path, x["params"] / 1e6, x["payload_bytes"] / 2**20,
+                     x["trainer_held_s"], x["loaded_s"], x["loopback_bytes"] / 2**20])  # fmt: skip
+    return "\n\n".join([
+        "## Weight push to Ray rollout actors (`bench/weight_push.py`)",
+        run_line(r),
+        f"{s['workers']} `hf` rollout actors on a local Ray instance (127.0.0.1); median of "
+        f"{s['pushes']} pushes after a warm-up. `trainer held`: until `update_weights` returns; "
+        "`all loaded`: until every actor has loaded the weights. Loopback bytes from "
+        "`/proc/net/dev` (the object store moves its copy through shared memory on one node).",
+        md_table(["model", "path (`weight_sync`)", "params M", "tensors MiB", "trainer held s",
+                  "all loaded s", "loopback MiB"], rows),
+    ])  # fmt: skip
+
+
 def _bars(ax: Axes, r: Result) -> None:
     res = r["results"]
     envs = r["settings"]["envs"]
@@ -526,6 +546,7 @@ SECTIONS = {
     "lora_memory": lora_section,
     "async_rollout": async_section,
     "canary_cost": canary_section,
+    "weight_push": weight_push_section,
 }
 
 

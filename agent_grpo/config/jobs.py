@@ -292,8 +292,18 @@ class TrainConfig(ConfigModel):
             raise ValueError("rollout.partial with rollout.workers.type=ray is not built")
         if ray and self.algo.dynamic_sampling:
             raise ValueError("algo.dynamic_sampling with rollout.workers.type=ray is not built")
-        if ray and self.model.lora is not None:
-            raise ValueError("model.lora with rollout.workers.type=ray is not built")
+        vllm = isinstance(self.rollout.backend, VLLMBackendConfig)
+        if ray and vllm and self.model.lora is not None and self.model.lora.r > 512:
+            raise ValueError(
+                f"model.lora.r={self.model.lora.r} on vllm Ray workers: vLLM's LoRA support "
+                "takes ranks up to 512"
+            )
+        if ray and vllm and self.model.lora is not None and self.rollout.canary is not None:
+            raise ValueError(
+                "rollout.canary with model.lora on vllm Ray workers: the workers run the "
+                "adapter with vLLM's LoRA support, which cannot score the canary's ids "
+                "(vllm-project/vllm#29955); use the hf backend or set rollout.canary=null"
+            )
         return self
 
     @model_validator(mode="after")

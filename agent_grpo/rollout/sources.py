@@ -18,8 +18,8 @@ trajectories and may interrupt a generation for a weight update; on Ray workers 
 collections per version, which keeps every group on one policy, at the cost of some idle time at
 the end of a collection. On the trainer's own engine, `rollout.partial` carries unfinished groups
 across updates instead (agent_grpo/rollout/partial.py). Weights go through Ray's object store
-(one put, many gets); on a GPU cluster a NCCL broadcast group does this instead
-(docs/scaling.md).
+(one put, many gets) or a broadcast over a gloo/NCCL group of the trainer and the actors
+(`rollout.workers.weight_sync`, docs/scaling.md); with LoRA only the adapter travels.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import torch
 
 from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.logs import get_logger
+from agent_grpo.models.loading import resolve_model_path
+from agent_grpo.rollout.adapters import adapter_state
 from agent_grpo.rollout.backends.base import GenerationBackend
 from agent_grpo.rollout.backends.factory import rollout_limits
 from agent_grpo.rollout.collector import Collection, RolloutResult
@@ -197,11 +199,15 @@ class RayRollouts:
             else:  # a private local instance, sized to the workers
                 ray.init(num_cpus=max(2, workers.num_workers), include_dashboard=False,
                          log_to_driver=False)  # fmt: skip
+        lora = config.model.lora
+        if lora is not None:  # actors start from the base model; pushes set the adapter
+            model_path = resolve_model_path(config.model.name_or_path)
         pool = RayRolloutPool(
             workers.num_workers, model_path, config.rollout.backend,
             collector_config(config, stop), limits=rollout_limits(config.rollout),
             num_cpus_per_worker=workers.num_cpus_per_worker,
-            num_gpus_per_worker=workers.num_gpus_per_worker,
+            num_gpus_per_worker=workers.num_gpus_per_worker, resources=workers.resources,
+            weight_sync=workers.weight_sync, lora=lora, adapters=config.algo.max_staleness + 1,
         )  # fmt: skip
         return cls(config, pool, started)
 
@@ -233,8 +239,10 @@ class RayRollouts:
         return result
 
     def push(self, model: torch.nn.Module, version: int) -> None:
-        """One object-store copy of the weights, loaded by every actor after its queued work."""
-        self.pool.update_weights(model.state_dict(), version)
+        """The weights (with LoRA, the adapter's tensors alone) to every actor, by
+        `rollout.workers.weight_sync`; each loads them after its queued work."""
+        lora = self.config.model.lora is not None
+        self.pool.update_weights(adapter_state(model) if lora else model.state_dict(), version)
 
     def score_canary(
         self, sequences: list[list[int]], targets: list[list[bool]]

@@ -64,6 +64,9 @@ def test_training_on_a_remote_server_is_refused(tmp_path: Path) -> None:
         load_config(TrainConfig, path)
 
 
+VLLM_WORKERS = ["rollout.workers={type: ray}", "rollout.backend={type: vllm}"]
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -77,6 +80,11 @@ def test_training_on_a_remote_server_is_refused(tmp_path: Path) -> None:
         (["algo.minibatches=5"], "some minibatches"),
         (["model.device=gpu"], "model.device"),
         (["algo.epochs=0"], "algo.epochs"),
+        (["rollout.workers={type: ray, resources: {CPU: 1}}"], "Ray's own resource 'CPU'"),
+        (["rollout.workers={type: ray, resources: {node: 0}}"], "with a positive amount"),
+        (["rollout.workers={type: ray, weight_sync: nccl}"], "weight_sync"),
+        ([*VLLM_WORKERS, "model.lora={}", "rollout.canary={}"], "cannot score the canary"),
+        ([*VLLM_WORKERS, "model.lora={r: 600}"], "takes ranks up to 512"),
         (
             ["model.tool_format=qwen"],
             "model.tool_format: unknown tool-call format 'qwen'; known "
@@ -87,6 +95,12 @@ def test_training_on_a_remote_server_is_refused(tmp_path: Path) -> None:
 def test_meaningless_settings_are_refused_before_any_model_work(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(TrainConfig, TINY, overrides)
+
+
+def test_lora_on_ray_workers_with_placement_and_broadcast_loads() -> None:
+    workers = "rollout.workers={type: ray, resources: {rollout_node: 1}, weight_sync: broadcast}"
+    config = load_config(TrainConfig, TINY, [workers, "model.lora={}", "rollout.canary={}"])
+    assert config.rollout.workers.resources == {"rollout_node": 1.0}  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
