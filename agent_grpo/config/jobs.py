@@ -18,6 +18,7 @@ from agent_grpo.rollout.config import (
     BackendConfig,
     HFBackendConfig,
     OpenAIBackendConfig,
+    RayWorkers,
     RolloutConfig,
     VLLMBackendConfig,
 )
@@ -288,8 +289,17 @@ class TrainConfig(ConfigModel):
             )
         if partial and self.algo.dynamic_sampling:
             raise ValueError("rollout.partial with algo.dynamic_sampling is not built")
-        if partial and ray:
-            raise ValueError("rollout.partial with rollout.workers.type=ray is not built")
+        workers = self.rollout.workers
+        if (
+            partial
+            and isinstance(workers, RayWorkers)
+            and (self.rollout.tasks_per_step < workers.num_workers)
+        ):
+            raise ValueError(
+                f"rollout.partial on {workers.num_workers} Ray workers needs at least as many "
+                f"rollout.tasks_per_step (got {self.rollout.tasks_per_step}): a worker asked for "
+                "no finished group would never advance its groups in flight"
+            )
         if ray and self.algo.dynamic_sampling:
             raise ValueError("algo.dynamic_sampling with rollout.workers.type=ray is not built")
         vllm = isinstance(self.rollout.backend, VLLMBackendConfig)

@@ -40,14 +40,17 @@ from agent_grpo.config.jobs import LoraSettings
 from agent_grpo.models.loading import load_tokenizer
 from agent_grpo.rollout.backends.factory import EngineLimits, rollout_limits
 from agent_grpo.rollout.collector import (
+    Collection,
     CollectOptions,
     RolloutMetrics,
     RolloutResult,
     Task,
     collect_groups,
+    group_id_of,
 )
 from agent_grpo.rollout.config import BackendConfig, HFBackendConfig, RolloutConfig
 from agent_grpo.rollout.engine_weights import start_engine
+from agent_grpo.rollout.partial import PartialCollector, StreamTask, TaskStream
 from agent_grpo.rollout.weight_sync import (
     GroupAddress,
     TensorSpec,
@@ -77,9 +80,10 @@ def split_tasks(num_tasks: int, num_workers: int) -> list[range]:
     return [b for b in blocks if len(b)]
 
 
-def _group_id(step: int, task_index: int) -> str:
-    """`collect_groups`' group id of task `task_index` of a call (kept in step with collector)."""
-    return f"s{step}-t{task_index}"
+def _shares(total: int, workers: int) -> list[int]:
+    """`total` split over `workers`, sizes differing by at most one, in worker order."""
+    base, extra = divmod(total, workers)
+    return [base + (w < extra) for w in range(workers)]
 
 
 def _renumber(
@@ -88,7 +92,7 @@ def _renumber(
     """Give a block's records the group ids of their tasks' places in the whole task list."""
     out = []
     for j, record in enumerate(records):
-        group = _group_id(step, first_task + j // group_size)
+        group = group_id_of(step, first_task + j // group_size)
         members = [f"{group}/{i}" for i in range(record.group_size)]
         out.append(record.model_copy(update={"group_id": group, "group_member_ids": members}))
     return out
@@ -115,6 +119,7 @@ def merge_metrics(parts: Sequence[RolloutMetrics], wall_time_s: float) -> Rollou
         env_retries=sum(p.env_retries for p in parts),
         env_failures=sum(p.env_failures for p in parts),
         worker_failures=sum(p.worker_failures for p in parts),
+        in_flight_groups=sum(p.in_flight_groups for p in parts),
     )
 
 
@@ -146,6 +151,8 @@ class RolloutWorker:
         """Broadcast weights by version, kept until `apply_weights` loads them in turn."""
         self.lock = threading.Lock()
         """Guards `received` between the `weights` group's thread and the default one."""
+        self.partial: PartialCollector | None = None
+        """With partial rollouts, the groups this worker keeps in flight between calls."""
 
     def collect(self, tasks: list[Task], step: int, run_id: str) -> RolloutResult:
         """`collect_groups` over these tasks, numbered from 0 (the pool renumbers groups); every
@@ -157,6 +164,20 @@ class RolloutWorker:
         for record in result.records:
             record.policy_version = self.version
         self.backend.free_caches()  # the trainer's update, on this machine too, needs the memory
+        return result
+
+    def collect_partial(
+        self, admit: list[StreamTask], want: int, step: int, run_id: str
+    ) -> RolloutResult:
+        """Partial rollouts (`rollout/partial.py`): admit `admit` into the groups this worker
+        keeps in flight, run turns until `want` of them have finished and return those; the
+        others continue at the next call, on whatever weights were loaded in between. Each turn
+        is tagged with this worker's policy version."""
+        if self.partial is None:
+            collection = Collection(self.backend, self.tokenizer, self.collector, run_id=run_id)
+            self.partial = PartialCollector(collection)
+        result = self.partial.collect(admit, want, step, self.version)
+        self.backend.free_caches()
         return result
 
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int = 0) -> None:
@@ -208,7 +229,9 @@ class RolloutWorker:
         return str(ray.get_runtime_context().get_node_id())
 
     def close(self) -> None:
-        """Release the backend and the weight group."""
+        """Release the backend, the weight group and any envs in flight."""
+        if self.partial is not None:
+            self.partial.close()
         self.backend.close()
         self.weights.close()
         if self.receiver is not None:
@@ -239,6 +262,11 @@ class PendingCollection:
     """Ray object refs of each block's `RolloutResult`."""
     started: float
     """`time.perf_counter()` at submission."""
+    wants: list[int] | None = None
+    """Partial rollouts: how many finished groups each worker returns (`submit_partial`);
+    None for a whole collection of `tasks`."""
+    workers: list[Any] | None = None
+    """Partial rollouts: the worker each future belongs to."""
 
 
 class RayRolloutPool:
@@ -290,6 +318,10 @@ class RayRolloutPool:
         """The workers `sender`'s group was formed with."""
         self.last_push_bytes = 0
         """Bytes of the tensors of the last `update_weights` (each actor receives them once)."""
+        self.held: dict[Any, dict[str, StreamTask]] = {w: {} for w in self.workers}
+        """Partial rollouts: each worker's groups admitted and not yet returned, by group id."""
+        self.owed: dict[Any, int] = {w: 0 for w in self.workers}
+        """Partial rollouts: finished groups each worker's submitted calls will return."""
 
     def collect(self, tasks: Sequence[Task], step: int = 0, run_id: str = "") -> RolloutResult:
         """Every task's group, collected across the workers; records in task order."""
@@ -313,9 +345,31 @@ class RayRolloutPool:
         ]
         return PendingCollection(list(tasks), step, run_id, blocks, futures, time.perf_counter())
 
+    def submit_partial(
+        self, stream: TaskStream, want: int, over: int, step: int, run_id: str
+    ) -> PendingCollection:
+        """Partial rollouts: every worker tops its groups in flight up to its share of
+        `want + over` from `stream` and returns its share of `want` finished groups; the rest
+        stay in flight on the worker (`RolloutWorker.collect_partial`). Calls queue on each
+        actor in order, behind the weights pushed before them."""
+        workers = list(self.workers)
+        wants, overs = _shares(want, len(workers)), _shares(over, len(workers))
+        futures = []
+        for worker, share, extra in zip(workers, wants, overs, strict=True):
+            in_flight = len(self.held[worker]) - self.owed[worker]  # once its queue has run
+            admit = stream.take(share + extra - in_flight)
+            self.held[worker].update({group_id_of(t.step, t.index): t for t in admit})
+            self.owed[worker] += share
+            futures.append(worker.collect_partial.remote(admit, share, step, run_id))
+        return PendingCollection([], step, run_id, [], futures, time.perf_counter(), wants,
+                                 workers)  # fmt: skip
+
     def wait(self, pending: PendingCollection) -> RolloutResult:
         """The submitted collection's result. A block whose worker died (its actor killed, its
-        node gone) is sent again to a surviving worker; `metrics.worker_failures` counts it."""
+        node gone) is sent again to a surviving worker; `metrics.worker_failures` counts it.
+        With partial rollouts, the groups the dead worker held start over on a live one."""
+        if pending.wants is not None:
+            return self._wait_partial(pending)
         results: list[RolloutResult] = []
         failures = 0
         for block, future in zip(pending.blocks, pending.futures, strict=True):
@@ -334,6 +388,42 @@ class RayRolloutPool:
         metrics = merge_metrics([r.metrics for r in results], wall)
         metrics.worker_failures = failures
         return RolloutResult(records=records, metrics=metrics)
+
+    def _wait_partial(self, pending: PendingCollection) -> RolloutResult:
+        """Each worker's finished groups (records keep the ids of the step their tasks came
+        from). A worker that died hands its groups in flight, as tasks, to a live one, which
+        returns the dead one's share of finished groups in its place."""
+        assert pending.wants is not None and pending.workers is not None
+        results: list[RolloutResult] = []
+        failures = 0
+        for worker, future, want in zip(pending.workers, pending.futures, pending.wants,
+                                        strict=True):  # fmt: skip
+            while True:
+                try:
+                    result = self._ray.get(future)
+                    break
+                except self._ray.exceptions.RayActorError:
+                    failures += 1
+                    worker, future = self._readmit(worker, want, pending)
+            self.owed[worker] -= want
+            for record in result.records:
+                self.held[worker].pop(record.group_id, None)
+            results.append(result)
+        records = [r for result in results for r in result.records]
+        metrics = merge_metrics([r.metrics for r in results], time.perf_counter() - pending.started)
+        metrics.worker_failures = failures
+        return RolloutResult(records=records, metrics=metrics)
+
+    def _readmit(self, dead: Any, want: int, pending: PendingCollection) -> tuple[Any, Any]:
+        """Move a dead worker's groups in flight (as tasks, to start over) and what it owed to
+        a live worker; returns that worker and its call for `want` finished groups."""
+        self.workers = self._live([w for w in self.workers if w is not dead])
+        worker = self.workers[0]
+        tasks, owed = self.held.pop(dead, {}), self.owed.pop(dead, 0)
+        self.held[worker].update(tasks)
+        self.owed[worker] += owed
+        admit = list(tasks.values())
+        return worker, worker.collect_partial.remote(admit, want, pending.step, pending.run_id)
 
     def _resend(self, pending: PendingCollection, block: range) -> Any:
         """Drop dead workers and give `block` to a live one (the least recently handed one)."""

@@ -181,6 +181,8 @@ class RayRollouts:
         )  # fmt: skip
         self.pending: dict[int, Any] = {}
         self.submitted = -1
+        self.stream = TaskStream(config)
+        """Partial rollouts' tasks, handed to the workers as their groups finish."""
 
     @classmethod
     def start(cls, config: TrainConfig, model_path: str, stop: list[str]) -> RayRollouts:
@@ -214,19 +216,31 @@ class RayRollouts:
     def _submit_through(self, last: int) -> None:
         """Submit every step up to `last`. Synchronous, a step is split over all workers;
         asynchronous, whole steps go to the workers in turn, so the k steps in flight sample
-        at once on different actors (each actor runs one collection at a time)."""
+        at once on different actors (each actor runs one collection at a time). With partial
+        rollouts every step asks every worker for its share of finished groups."""
+        partial, run = self.config.rollout.partial, self.config.run.name
         for step in range(self.submitted + 1, min(last, self.config.steps - 1) + 1):
-            workers = None if self.k == 0 else [step]
-            self.pending[step] = self.pool.submit(step_tasks(self.config, step), step,
-                                                  self.config.run.name, workers)  # fmt: skip
+            if partial is not None:
+                want, over = self.config.rollout.tasks_per_step, partial.over_sample
+                self.pending[step] = self.pool.submit_partial(self.stream, want, over, step, run)
+            else:
+                workers = None if self.k == 0 else [step]
+                self.pending[step] = self.pool.submit(step_tasks(self.config, step), step, run,
+                                                      workers)  # fmt: skip
             self.submitted = step
 
     def collect(self, step: int, version: int) -> RolloutResult:
         """The step's groups (submitting the next `k` steps' first), scored; groups sampled
-        more than `k` versions ago are dropped and counted in `metrics.stale_dropped`."""
-        self.submitted = max(self.submitted, step - 1)  # a resumed run starts submitting here
+        more than `k` versions ago are dropped and counted in `metrics.stale_dropped`. Partial
+        rollouts drop none: a carried group's turns older than `k` are masked per token by the
+        trainer instead (agent_grpo/algo/staleness.py)."""
+        if self.submitted < step - 1:  # a resumed run starts submitting (and streaming) here
+            self.submitted = step - 1
+            self.stream.position = step * self.config.rollout.tasks_per_step
         self._submit_through(step + self.k)
         result = score(self.config, self.pool.wait(self.pending.pop(step)))
+        if self.config.rollout.partial is not None:
+            return result
         fresh = [r for r in result.records if version - r.policy_version <= self.k]
         dropped = len(result.records) - len(fresh)
         if dropped:
@@ -253,7 +267,9 @@ class RayRollouts:
         return [EngineScore(f"rollout worker {i}", v, lp) for i, (v, lp) in enumerate(scores)]
 
     def state(self) -> bytes | None:
-        """Nothing: the collections in flight are resubmitted on resume."""
+        """Nothing: the collections in flight are resubmitted on resume (partial rollouts: the
+        stream starts again at the resumed step's tasks; the groups the actors had in flight
+        are not kept)."""
         return None
 
     def restore(self, state: bytes) -> None:
