@@ -38,6 +38,12 @@ class RayCluster:
     """`HOST:PORT` of the head's GCS, what `ray.init(address=...)` joins."""
     nodes: list[subprocess.Popen[str]] = field(default_factory=list)
     """The `ray start --block` process of each node, the head first."""
+    logs: list[Path] = field(default_factory=list)
+    """Each started node's output, in the order of `nodes`."""
+
+    def log_tails(self) -> str:
+        """The end of every node's log, for a test's failure message."""
+        return "\n".join(f"--- {log.name}\n{_log_tail(log)}" for log in self.logs)
 
 
 def interface_bytes() -> dict[str, int]:
@@ -49,16 +55,28 @@ def interface_bytes() -> dict[str, int]:
     return out
 
 
-def _node_ports() -> list[str]:
+WORKER_PORTS = 200
+"""Ports in each node's worker range."""
+
+
+def _node_ports(worker_low: int) -> list[str]:
     """`ray start` flags giving a node ports of its own (two nodes on one machine would
-    otherwise both take Ray's fixed defaults), worker ports from a range of its own."""
+    otherwise both take Ray's fixed defaults), worker ports from `worker_low` on."""
     flags = []
     for flag in ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
                  "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
                  "--metrics-export-port"):  # fmt: skip
         flags += [flag, str(free_port())]
-    low = random.randrange(20000, 60000, 200)
-    return [*flags, "--min-worker-port", str(low), "--max-worker-port", str(low + 199)]
+    high = worker_low + WORKER_PORTS - 1
+    return [*flags, "--min-worker-port", str(worker_low), "--max-worker-port", str(high)]
+
+
+def _worker_ranges(count: int) -> list[int]:
+    """The first port of `count` disjoint worker-port ranges, all below Linux's ephemeral range
+    (32768 on), where `free_port` takes the nodes' other ports: a range that overlapped one of
+    them, or another node's range, made a node exit at start (seen under load in CI)."""
+    starts = random.sample(range(10000, 32768 - WORKER_PORTS, WORKER_PORTS), count)
+    return sorted(starts)
 
 
 def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
@@ -68,6 +86,24 @@ def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
         return subprocess.Popen([ray, "start", "--block", "--node-ip-address", HOST, *args],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # fmt: skip
+
+
+def _log_tail(log: Path, lines: int = 15) -> str:
+    """The last lines of a node's log, for an error message."""
+    text = log.read_text(errors="replace") if log.exists() else "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _wait_started(node: subprocess.Popen[str], log: Path, timeout_s: float) -> bool:
+    """Until `ray start` reports its node running (True), or the node exits (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if node.poll() is not None:
+            return False
+        if log.exists() and "Ray runtime started" in log.read_text(errors="replace"):
+            return True
+        time.sleep(0.5)
+    raise TimeoutError(f"a Ray node did not start in {timeout_s} s; its log:\n{_log_tail(log)}")
 
 
 def _wait_for_port(port: int, node: subprocess.Popen[str], timeout_s: float) -> None:
@@ -89,6 +125,10 @@ def _stop(node: subprocess.Popen[str]) -> None:
         os.killpg(node.pid, signal.SIGKILL)
 
 
+START_TRIES = 3
+"""Starts of a worker node that exited at once before the cluster gives up."""
+
+
 @contextlib.contextmanager
 def ray_cluster(
     workers: int,
@@ -102,21 +142,34 @@ def ray_cluster(
     environment (its workers inherit it). Stopped on exit, whatever happened."""
     # No token: the nodes listen on loopback only, and a token would tie the test to whatever
     # ~/.ray/auth_token an earlier local `ray.init` left (the driver sets the same mode).
-    env = {**env, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    # Unbuffered: the start is seen by "Ray runtime started." in the node's log.
+    env = {**env, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+           "PYTHONUNBUFFERED": "1"}  # fmt: skip
     temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths
     port = free_port()
     common = ["--num-cpus", str(cpus_per_node), "--object-store-memory", str(100 * 2**20),
               "--disable-usage-stats"]  # fmt: skip
     cluster = RayCluster(address=f"{HOST}:{port}")
+    ranges = _worker_ranges(1 + workers * START_TRIES)
     try:
         head = ["--head", "--port", str(port), "--include-dashboard", "false",
                 "--ray-client-server-port", str(free_port()), "--temp-dir", str(temp)]  # fmt: skip
-        cluster.nodes.append(_start([*head, *common, *_node_ports()], env, temp / "head.log"))
+        log = temp / "head.log"
+        cluster.nodes.append(_start([*head, *common, *_node_ports(ranges.pop())], env, log))
+        cluster.logs.append(log)
         _wait_for_port(port, cluster.nodes[0], timeout_s)
         for i in range(workers):
             args = ["--address", cluster.address, "--resources", json.dumps(worker_resources)]
-            log = temp / f"worker-{i}.log"
-            cluster.nodes.append(_start([*args, *common, *_node_ports()], env, log))
+            for attempt in range(START_TRIES):  # a port taken between `free_port` and start
+                log = temp / f"worker-{i}-{attempt}.log"
+                node = _start([*args, *common, *_node_ports(ranges.pop())], env, log)
+                cluster.nodes.append(node)
+                cluster.logs.append(log)
+                if _wait_started(node, log, timeout_s):
+                    break
+            else:
+                raise RuntimeError(f"Ray worker node {i} exited at start {START_TRIES} times; "
+                                   f"its log:\n{_log_tail(log)}")  # fmt: skip
         yield cluster
     finally:
         for node in reversed(cluster.nodes):

@@ -43,7 +43,8 @@ def cluster() -> Iterator[tuple[RayCluster, set[str]]]:
         try:
             deadline = time.monotonic() + 120
             while len(alive := [n for n in ray.nodes() if n["Alive"]]) < 3:
-                assert time.monotonic() < deadline, f"{len(alive)} of 3 Ray nodes came up"
+                came_up = f"{len(alive)} of 3 Ray nodes came up\n{running.log_tails()}"
+                assert time.monotonic() < deadline, came_up
                 time.sleep(1)
             assert len({n["NodeManagerAddress"] for n in alive}) == 1  # one machine
             workers = {n["NodeID"] for n in alive if n["Resources"].get("rollout_node")}
