@@ -92,7 +92,9 @@ bench: install model
 	$(BIN)/python bench/tool_runtime.py $(BENCH_FLAGS)
 	$(BIN)/python bench/lora_memory.py $(BENCH_FLAGS)
 	$(BIN)/python bench/async_rollout.py $(BENCH_FLAGS)
+	$(BIN)/python bench/weight_push.py $(BENCH_FLAGS)
 	$(BIN)/python bench/bias.py $(BENCH_FLAGS)
+	$(BIN)/python bench/canary_cost.py $(BENCH_FLAGS)
 	$(BIN)/python bench/report.py
 
 clean:

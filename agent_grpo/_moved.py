@@ -54,6 +54,7 @@ MOVED = {
     "agent_grpo.rollout.kv_cache": "agent_grpo.rollout.backends.kv_cache",
     "agent_grpo.rollout.packed_linear": "agent_grpo.rollout.backends.packed_linear",
     "agent_grpo.rollout.factory": "agent_grpo.rollout.backends.factory",
+    "agent_grpo.testing.templates": "agent_grpo.inspect.rewriting_templates",
 }
 """Old module -> where its contents live now."""
 

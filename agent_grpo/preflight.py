@@ -349,14 +349,8 @@ def check_reset(env: EnvConfig, instance: gym.Env[Any, Any]) -> None:
         where = "env.kwargs.mcp_server" if "mcp_server" in env.kwargs else f"env {env.id}"
         raise PreflightError(f"{where}: {_one_line(str(error))}") from None
     except Exception as error:
-        raise PreflightError(
-            f"env {env.id}: reset(seed={CHECK_SEEDS[0]}) raised {_raised(error)}"
-        ) from None
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise PreflightError(
-            f"env {env.id}: reset() must return (observation, info), got {_shown(result)}"
-        )
-    observation, info = result
+        raise _env_raised(env.id, f"reset(seed={CHECK_SEEDS[0]})", error) from None
+    observation, info = _returned(env.id, "reset", ("observation", "info"), result)
     problem = _messages_problem(observation)
     if problem is not None:
         raise PreflightError(
@@ -376,15 +370,8 @@ def check_step(env_id: str, instance: gym.Env[Any, Any]) -> None:
     try:
         result = instance.step(CHECK_ANSWER)
     except Exception as error:
-        raise PreflightError(
-            f"env {env_id}: the turn {CHECK_ANSWER!r} raised {_raised(error)}"
-        ) from None
-    if not (isinstance(result, tuple) and len(result) == 5):
-        raise PreflightError(
-            f"env {env_id}: step() must return (observation, reward, terminated, truncated, "
-            f"info), got {_shown(result)}"
-        )
-    observation, _, terminated, truncated, info = result
+        raise _env_raised(env_id, f"the turn {CHECK_ANSWER!r}", error) from None
+    observation, _, terminated, truncated, info = _returned(env_id, "step", _STEP_FIELDS, result)
     problem = None if terminated or truncated else _messages_problem(observation, empty=True)
     if problem is not None:
         raise PreflightError(
@@ -392,6 +379,23 @@ def check_step(env_id: str, instance: gym.Env[Any, Any]) -> None:
         )
     if isinstance(info, dict):
         _check_credit_keys(env_id, "step()", info)
+
+
+_STEP_FIELDS = ("observation", "reward", "terminated", "truncated", "info")
+"""What gymnasium's `step()` returns, in order."""
+
+
+def _env_raised(env_id: str, doing: str, error: BaseException) -> PreflightError:
+    """The one line for an env that raised while `doing` something, at the user's line."""
+    return PreflightError(f"env {env_id}: {doing} raised {_raised(error)}")
+
+
+def _returned(env_id: str, method: str, fields: tuple[str, ...], result: Any) -> tuple[Any, ...]:
+    """`result` of the env's `method()`, if it is the tuple of `fields` gymnasium asks for."""
+    if not (isinstance(result, tuple) and len(result) == len(fields)):
+        shape, got = ", ".join(fields), _shown(result)
+        raise PreflightError(f"env {env_id}: {method}() must return ({shape}), got {got}")
+    return result
 
 
 def _check_credit_keys(env_id: str, where: str, info: dict[str, Any]) -> None:
@@ -420,14 +424,12 @@ def check_expert(env_id: str, instance: gym.Env[Any, Any]) -> None:
         except NotImplementedError as error:  # TextEnv's default: the env has no expert
             raise PreflightError(_no_expert(env_id, _one_line(str(error)))) from None
         except Exception as error:
-            raise PreflightError(f"env {env_id}: expert_action() raised {_raised(error)}") from None
+            raise _env_raised(env_id, "expert_action()", error) from None
         try:
             _, _, terminated, truncated, _ = instance.step(action)
         except Exception as error:
-            raise PreflightError(
-                f"env {env_id}: the expert's turn {_cut(action)} (warm_start imitates it) "
-                f"raised {_raised(error)}"
-            ) from None
+            doing = f"the expert's turn {_cut(action)} (warm_start imitates it)"
+            raise _env_raised(env_id, doing, error) from None
         done = bool(terminated or truncated)
 
 

@@ -189,9 +189,9 @@ def markdown(payload: dict[str, Any]) -> str:
     settings = payload["settings"]
     head = (
         f"Measured {payload['started_at'][:10]} with `bench/bias.py --batches "
-        f"{settings['batches']}` (seed {settings['seed']}; {payload['wall_s']:.0f} s on "
-        f"{payload['machine']['cpu_model']}; the figures depend on the seed and batch count, "
-        "not the machine). Groups of 4, one group per prompt per batch."
+        f"{settings['batches']}` (seed {settings['seed']}; the figures depend on the seed and "
+        "batch count, not the machine: `bench/results/bias.json` records the run's machine and "
+        "time). Groups of 4, one group per prompt per batch."
     )
     on_policy = _md_table(COLUMNS, [_cells(row) for row in r["on_policy"]])
     groups = _md_table(["objective", "prompt 0 coef", "prompt 1 coef", "s.e."],

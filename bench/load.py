@@ -104,12 +104,16 @@ class LoadWindow:
     burst_cores: float = 0.0
     """The most cores other processes kept busy over any `BURST_S` seconds between samples
     (0 when the window was not sampled)."""
+    own_cpu: Callable[[], float] = own_cpu_s
+    """This benchmark's own CPU seconds so far: by default this process and its reaped
+    children; a bench whose helpers outlive the window (Ray's raylet and actors) passes
+    `lambda: process_tree_cpu_s(os.getpid())`, which also counts running descendants."""
     _start: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0), repr=False)
     _last: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0), repr=False)
 
     def __enter__(self) -> LoadWindow:
         self.loadavg_before = os.getloadavg()
-        self._start = self._last = (time.monotonic(), machine_busy_s(), own_cpu_s())
+        self._start = self._last = (time.monotonic(), machine_busy_s(), self.own_cpu())
         return self
 
     def sample(self, own_running_s: Callable[[], float] = lambda: 0.0) -> None:
@@ -119,7 +123,7 @@ class LoadWindow:
         now = time.monotonic()
         if now - self._last[0] < BURST_S:
             return
-        busy, own = machine_busy_s(), own_cpu_s() + own_running_s()
+        busy, own = machine_busy_s(), self.own_cpu() + own_running_s()
         foreign = (busy - self._last[1]) - (own - self._last[2])
         self.burst_cores = max(self.burst_cores, max(0.0, foreign) / (now - self._last[0]))
         self._last = (now, busy, own)
@@ -127,7 +131,7 @@ class LoadWindow:
     def __exit__(self, *exc: object) -> None:
         wall0, busy0, own0 = self._start
         self.wall_s = time.monotonic() - wall0
-        foreign = (machine_busy_s() - busy0) - (own_cpu_s() - own0)
+        foreign = (machine_busy_s() - busy0) - (self.own_cpu() - own0)
         self.foreign_cores = max(0.0, foreign) / max(self.wall_s, 1e-9)
         self.loadavg_after = os.getloadavg()
 

@@ -17,7 +17,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,8 +150,11 @@ class BenchRun:
 
 
 @contextmanager
-def bench_run(name: str, args: argparse.Namespace) -> Iterator[BenchRun]:
-    """Record machine and load around a benchmark, then write its JSON (also on failure)."""
+def bench_run(
+    name: str, args: argparse.Namespace, own_cpu: Callable[[], float] | None = None
+) -> Iterator[BenchRun]:
+    """Record machine and load around a benchmark, then write its JSON (also on failure);
+    `own_cpu`: what counts as the benchmark's own CPU (`LoadWindow.own_cpu`)."""
     settings = {
         k: (str(v) if isinstance(v, Path) else v)
         for k, v in vars(args).items()
@@ -159,6 +162,8 @@ def bench_run(name: str, args: argparse.Namespace) -> Iterator[BenchRun]:
     }
     run = BenchRun(name, settings, bool(args.quick))
     run.load.max_foreign_cores = getattr(args, "max_foreign_cores", MAX_FOREIGN_CORES)
+    if own_cpu is not None:
+        run.load.own_cpu = own_cpu
     started = time.perf_counter()
     try:
         with run.load:

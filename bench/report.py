@@ -28,7 +28,8 @@ from record import RESULTS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ("rollout_throughput", "train_throughput", "train_throughput-notes", "reference_dtype",
-         "memory_scaling", "tool_runtime", "lora_memory", "async_rollout")  # fmt: skip
+         "memory_scaling", "tool_runtime", "lora_memory", "async_rollout",
+         "canary_cost", "weight_push")  # fmt: skip
 Result = dict[str, Any]
 
 
@@ -395,6 +396,26 @@ def async_section(r: Result) -> str:
     ])  # fmt: skip
 
 
+def weight_push_section(r: Result) -> str:
+    """A weight push to Ray rollout actors by each path."""
+    res, s = r["results"], r["settings"]
+    rows = []
+    for key, x in res.items():
+        model, path = key.split("|")
+        rows.append([model, path, x["params"] / 1e6, x["payload_bytes"] / 2**20,
+                     x["trainer_held_s"], x["loaded_s"], x["loopback_bytes"] / 2**20])  # fmt: skip
+    return "\n\n".join([
+        "## Weight push to Ray rollout actors (`bench/weight_push.py`)",
+        run_line(r),
+        f"{s['workers']} `hf` rollout actors on a local Ray instance (127.0.0.1); median of "
+        f"{s['pushes']} pushes after a warm-up. `trainer held`: until `update_weights` returns; "
+        "`all loaded`: until every actor has loaded the weights. Loopback bytes from "
+        "`/proc/net/dev` (the object store moves its copy through shared memory on one node).",
+        md_table(["model", "path (`weight_sync`)", "params M", "tensors MiB", "trainer held s",
+                  "all loaded s", "loopback MiB"], rows),
+    ])  # fmt: skip
+
+
 def _bars(ax: Axes, r: Result) -> None:
     res = r["results"]
     envs = r["settings"]["envs"]
@@ -497,6 +518,24 @@ def reference_section(r: Result) -> str:
     ])  # fmt: skip
 
 
+def canary_section(r: Result) -> str:
+    """What one weight-canary check costs, each side, and the engine-trainer gap it reads."""
+    res, c = r["results"], r["results"]["canary"]
+    rows = [[engine, res[engine]["trainer_s"], res[engine]["engine_s"], res[engine]["check_s"],
+             res[engine]["gap_mean"], res[engine]["gap_max"]]
+            for engine in ("hf", "vllm") if engine in res]  # fmt: skip
+    return "\n\n".join([
+        "## The weight canary (`bench/canary_cost.py`, `rollout.canary`)",
+        run_line(r),
+        f"The embedded SmolLM2-135M-Instruct, {c['sequences']} random sequence(s) of "
+        f"{c['length']} tokens, {c['model_tokens']} model tokens in all; each side's median of "
+        f"{r['settings']['repeats']} checks after a warm-up (vLLM in fp32, eager). A check costs "
+        "the trainer's side plus the engine's; the gap is `canary_gap`'s, between the engine's "
+        "logprobs and the trainer's over the model tokens.",
+        md_table(["engine", "trainer s", "engine s", "check s", "gap mean", "gap max"], rows),
+    ])  # fmt: skip
+
+
 SECTIONS = {
     "rollout_throughput": rollout_section,
     "train_throughput": train_section,
@@ -506,6 +545,8 @@ SECTIONS = {
     "tool_runtime": tools_section,
     "lora_memory": lora_section,
     "async_rollout": async_section,
+    "canary_cost": canary_section,
+    "weight_push": weight_push_section,
 }
 
 

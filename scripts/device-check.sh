@@ -3,6 +3,7 @@
 # shape, with the real tokenizer, on Calculator-v0 with the hf backend, in bf16 and in fp32,
 # then 3 with partial rollouts on a long-tailed env; asserts every parameter and every tensor
 # reaching the loss is on the GPU and that the weights moved; prints step time and tokens/s.
+# Then the rollout worker checks of scripts/device_check_ray.py (weight pushes, a vLLM actor).
 #
 # The device machine has Python with torch and transformers only and no network, so:
 #   here:  scripts/device-check.sh --prepare   # wheels + tokenizer + model config -> .device/
@@ -35,3 +36,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/device
     "$DIR"/wheels/{gymnasium,farama_notifications,pydantic,pydantic_core,annotated_types}-*.whl \
     "$DIR"/wheels/{typing_inspection,typing_extensions,gguf}-*.whl
 PYTHONPATH=/tmp/device-site:. python3 scripts/device_check.py "$DIR/model"
+
+# Rollout workers (issue 26): weight pushes from GPU weights (gloo to a CPU process; NCCL to a
+# second GPU, skipped with one) and a vLLM engine as a Ray actor (skipped, with the reason,
+# where vllm or ray is not importable). Separate from the trainer checks above.
+PYTHONPATH=/tmp/device-site:. python3 scripts/device_check_ray.py "$DIR/model"

@@ -22,6 +22,7 @@ from agent_grpo.testing import tiny_model
         ("agent_grpo.rollout.hf_backend", "agent_grpo.rollout.backends.hf"),
         ("agent_grpo.tools.call_format", "agent_grpo.tools.formats"),
         ("agent_grpo.toolcalls", "agent_grpo.tools.formats"),
+        ("agent_grpo.testing.templates", "agent_grpo.inspect.rewriting_templates"),
     ],
 )
 def test_a_moved_module_names_its_new_place(old: str, new: str) -> None:
@@ -42,3 +43,18 @@ def test_a_name_loading_never_had_fails_as_usual() -> None:
     with pytest.raises(ImportError, match="cannot import name 'no_such_name'"):
         exec("from agent_grpo.models.loading import no_such_name", {})
     assert not hasattr(loading, "no_such_name")
+
+
+@pytest.mark.parametrize(
+    ("name", "new"),
+    [
+        ("verify_record", "agent_grpo.inspect.verify"),
+        ("Divergence", "agent_grpo.inspect.verify"),
+        ("logprob_drift", "agent_grpo.inspect.drift"),
+        ("recompute_logprobs", "agent_grpo.inspect.drift"),
+    ],
+)
+def test_a_record_check_imported_from_curves_names_its_new_module(name: str, new: str) -> None:
+    moved = f"agent_grpo.inspect.curves.{name} moved: import it from {new}"
+    with pytest.raises(ImportError, match=re.escape(moved)):
+        exec(f"from agent_grpo.inspect.curves import {name}", {})

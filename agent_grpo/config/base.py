@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 __all__ = [
     "ConfigError",
     "ConfigModel",
-    "anchor_data_files",
+    "anchor_file_names",
     "apply_overrides",
     "close_match",
     "load_config",
@@ -38,6 +38,16 @@ class ConfigModel(BaseModel):
     retired_keys: ClassVar[dict[str, str]] = {}
     """Dotted keys this config no longer takes -> what to do instead: a config that still sets
     one fails with that message, not with a bare "extra inputs are not permitted"."""
+
+    @classmethod
+    def anchor_files(cls, raw: dict[str, Any], folder: Path) -> None:
+        """Make the file names `raw` (this config's mapping in a config file) holds relative to
+        the file's `folder` absolute, before validation (`anchor_file_names`): each part's config
+        in turn; a config that holds file names itself overrides this."""
+        for name, field in cls.model_fields.items():
+            part, value = field.annotation, raw.get(name)
+            if isinstance(part, type) and issubclass(part, ConfigModel) and isinstance(value, dict):
+                part.anchor_files(value, folder)
 
 
 C = TypeVar("C", bound=ConfigModel)
@@ -133,29 +143,23 @@ def load_config(cls: type[C], path: str | Path, overrides: list[str] | None = No
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     merged = apply_overrides(raw, overrides or [])
-    anchor_data_files(merged, path.parent)
+    cls.anchor_files(merged, path.parent)
     return validate_config(cls, merged, str(path))
 
 
-def anchor_data_files(raw: dict[str, Any], folder: Path) -> None:
-    """Make `env.kwargs.data_files` (Dataset-v0's files) that exist relative to the config
-    file's `folder`, and not relative to the current directory, absolute: a config next to its
-    data trains from any directory, and the run's resolved config names the files it read."""
-    env = raw.get("env")
-    kwargs = env.get("kwargs") if isinstance(env, dict) else None
-    files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
-    if not isinstance(files, dict):
-        return
-
-    def anchored(name: Any) -> Any:
-        if not isinstance(name, str) or "://" in name or Path(name).is_absolute():
-            return name
-        if Path(name).exists() or not (folder / name).exists():
-            return name  # the current directory first, as `datasets` reads it
-        return str((folder / name).resolve())
-
-    for split, name in files.items():
-        files[split] = [anchored(n) for n in name] if isinstance(name, list) else anchored(name)
+def anchor_file_names(value: Any, folder: Path) -> Any:
+    """`value` (a file name, a list of them, or a dict of either) with each relative name that
+    exists in `folder`, and not from the current directory, made absolute: a config next to its
+    data runs from any directory, and the run's resolved config names the files it read."""
+    if isinstance(value, dict):
+        return {key: anchor_file_names(item, folder) for key, item in value.items()}
+    if isinstance(value, list):
+        return [anchor_file_names(item, folder) for item in value]
+    if not isinstance(value, str) or "://" in value or Path(value).is_absolute():
+        return value
+    if Path(value).exists() or not (folder / value).exists():
+        return value  # the current directory first, as a reader of the file would look
+    return str((folder / value).resolve())
 
 
 def dump_config(config: ConfigModel) -> str:

@@ -6,17 +6,19 @@ the generation backend (`hf`, `vllm`, `openai`) and each extra reward source.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, get_args
 
 from pydantic import Field, field_validator, model_validator
 
 from agent_grpo.algo.config import AlgoConfig, SpeedConfig
-from agent_grpo.config.base import ConfigModel
+from agent_grpo.config.base import ConfigModel, anchor_file_names
 from agent_grpo.rewards import RewardSourceConfig
 from agent_grpo.rollout.config import (
     BackendConfig,
     HFBackendConfig,
     OpenAIBackendConfig,
+    RayWorkers,
     RolloutConfig,
     VLLMBackendConfig,
 )
@@ -104,6 +106,18 @@ class EnvConfig(ConfigModel):
     """Registered gymnasium id or `package.module:Class`."""
     kwargs: dict[str, Any] = {}
     """Keyword arguments for the environment constructor (e.g. max_turns, difficulty)."""
+
+    @classmethod
+    def anchor_files(cls, raw: dict[str, Any], folder: Path) -> None:
+        """The kwargs the env declares as file names (`TextEnv.file_kwargs`)."""
+        kwargs = raw.get("kwargs")
+        if not isinstance(kwargs, dict) or not kwargs:
+            return
+        from agent_grpo.envs.registry import file_kwargs  # only a config with env kwargs pays
+
+        for name in file_kwargs(str(raw.get("id", cls.model_fields["id"].default))):
+            if name in kwargs:
+                kwargs[name] = anchor_file_names(kwargs[name], folder)
 
 
 class WarmStartConfig(ConfigModel):
@@ -275,12 +289,31 @@ class TrainConfig(ConfigModel):
             )
         if partial and self.algo.dynamic_sampling:
             raise ValueError("rollout.partial with algo.dynamic_sampling is not built")
-        if partial and ray:
-            raise ValueError("rollout.partial with rollout.workers.type=ray is not built")
+        workers = self.rollout.workers
+        if (
+            partial
+            and isinstance(workers, RayWorkers)
+            and (self.rollout.tasks_per_step < workers.num_workers)
+        ):
+            raise ValueError(
+                f"rollout.partial on {workers.num_workers} Ray workers needs at least as many "
+                f"rollout.tasks_per_step (got {self.rollout.tasks_per_step}): a worker asked for "
+                "no finished group would never advance its groups in flight"
+            )
         if ray and self.algo.dynamic_sampling:
             raise ValueError("algo.dynamic_sampling with rollout.workers.type=ray is not built")
-        if ray and self.model.lora is not None:
-            raise ValueError("model.lora with rollout.workers.type=ray is not built")
+        vllm = isinstance(self.rollout.backend, VLLMBackendConfig)
+        if ray and vllm and self.model.lora is not None and self.model.lora.r > 512:
+            raise ValueError(
+                f"model.lora.r={self.model.lora.r} on vllm Ray workers: vLLM's LoRA support "
+                "takes ranks up to 512"
+            )
+        if ray and vllm and self.model.lora is not None and self.rollout.canary is not None:
+            raise ValueError(
+                "rollout.canary with model.lora on vllm Ray workers: the workers run the "
+                "adapter with vLLM's LoRA support, which cannot score the canary's ids "
+                "(vllm-project/vllm#29955); use the hf backend or set rollout.canary=null"
+            )
         return self
 
     @model_validator(mode="after")

@@ -97,6 +97,8 @@ def named_tool(name: str) -> Tool:
 class DatasetEnv(ToolEnv[DatasetTask]):
     """Answer a dataset row's prompt; the verifier compares with the row's reference answer."""
 
+    file_kwargs = ("data_files",)
+
     def __init__(self, **kwargs: Any) -> None:
         base = {k: kwargs.pop(k) for k in list(kwargs) if k in _TOOL_ENV_KWARGS}
         super().__init__(**base)

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
-from gymnasium.envs.registration import EnvSpec, find_highest_version, get_env_id, parse_env_id
+from gymnasium.envs.registration import (
+    EnvSpec,
+    find_highest_version,
+    get_env_id,
+    load_env_creator,
+    parse_env_id,
+)
 
 from agent_grpo.logs import get_logger
 
@@ -25,6 +31,7 @@ __all__ = [
     "TOOL_FORMAT_KWARG",
     "EnvListing",
     "env_spec",
+    "file_kwargs",
     "list_envs",
     "make_env",
     "register_envs",
@@ -117,6 +124,18 @@ def env_spec(id_or_path: str) -> EnvSpec:
     if version is None and latest is not None:  # what gym.make picks for an id without -vN
         return gym.spec(get_env_id(namespace, name, latest))
     return gym.spec(id_or_path)
+
+
+def file_kwargs(id_or_path: str) -> tuple[str, ...]:
+    """The constructor arguments the env declares as file names (`TextEnv.file_kwargs`); none
+    for an env that does not resolve (preflight says why, in one line)."""
+    try:
+        creator: Any = env_spec(id_or_path).entry_point
+        if isinstance(creator, str):
+            creator = load_env_creator(creator)
+    except Exception:
+        return ()
+    return tuple(getattr(creator, "file_kwargs", ()))
 
 
 def list_envs() -> list[EnvListing]:

@@ -276,6 +276,9 @@ class TextEnv(gym.Env[Messages, str], Generic[TaskT]):
     """The system message (ToolEnv appends the tool list)."""
     default_max_turns: ClassVar[int] = 1
     """Assistant turns before truncation when the constructor is not given `max_turns`."""
+    file_kwargs: ClassVar[tuple[str, ...]] = ()
+    """Constructor arguments that name files (a name, a list of names, or a dict of either): in
+    a config file, a relative name is also looked up beside the file (`load_config`)."""
 
     def __init__(self, max_turns: int | None = None, render_mode: str | None = None) -> None:
         if render_mode is not None:

@@ -9,7 +9,12 @@ Checked before anyone spends an accelerator on the model, on its tokenizer alone
   scratch, that every sampled id is trained exactly once, and that no content ever holds a
   control token (a forged turn: must be 0);
 - the tool-call format: calls rendered as the model writes them, sampled (text to ids to text)
-  and parsed back to the same name and arguments, and its stop strings.
+  and parsed back to the same name and arguments, and its stop strings;
+- how assistant messages reach the template: as their text, or (gpt-oss, DeepSeek V3 templates
+  that render calls from `tool_calls`) as the fields the family's parser reads from them, and
+  whether a call as the model writes it then renders back as sampled (append-only) or forks. A
+  tool format other than the family the template structures fails: its calls would be rendered
+  as text.
 
 A one-screen report; the exit code is 1 when any check fails, 2 when the model or its template
 cannot be used at all.
@@ -25,19 +30,19 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.tools.formats.base import ParsedToolCall, ToolCallFormat
-from agent_grpo.trajectory.invariants import check_branch_renders, check_invariants
+from agent_grpo.trajectory.invariants import (
+    check_branch_renders,
+    check_invariants,
+    forged_control_ids,
+)
 from agent_grpo.trajectory.record import (
     Message,
     Provenance,
     Termination,
     TrajectoryRecord,
 )
-from agent_grpo.trajectory.tokens import (
-    ChatTemplateError,
-    _special_ids,
-    render_branch,
-    turn_end_ids,
-)
+from agent_grpo.trajectory.structured import assistant_view
+from agent_grpo.trajectory.tokens import ChatTemplateError, turn_end_ids
 from agent_grpo.trajectory.tree import TokenBuilder
 
 __all__ = ["Check", "ConformReport", "add_conform_parser", "conform"]
@@ -140,7 +145,9 @@ def _episode(
         text = _text(rng)
         if rng.random() < 0.6:
             text += fmt.render_call(rng.choice(TOOLS), _arguments(rng))
-        ids = [*tokenizer.encode(text, add_special_tokens=False), end]
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if not any(text.endswith(stop) for stop in fmt.stop_strings):
+            ids.append(end)  # an engine that stops on a stop string samples no turn end
         contexts.append(builder.token_ids)
         sampled += ids
         builder.add_model_turn(ids, [-1.0] * len(ids))
@@ -159,46 +166,10 @@ def _episode(
     return record, contexts, sampled
 
 
-def _forged(record: TrajectoryRecord, tokenizer: PreTrainedTokenizerBase, special: set[int]) -> int:
-    """Control ids inside content (prompt, observation, rewritten turns) over every branch."""
-    rows = record.rows()
-    sampled = [rows[t.branch].token_ids[t.token_start : t.token_end] for t in record.turns]
-    conversations: list[tuple[list[Message], list[int | None] | None]] = [
-        (record.messages[: record.root_messages_count or len(record.messages)], None)
-    ]
-    conversations += [(f.messages, f.message_turns) for f in record.forks]
-    forged = 0
-    for branch, (messages, turns) in enumerate(conversations):
-        if turns is None:  # branch 0: its assistant messages are the turns, in order
-            count = iter(range(len(record.turns)))
-            turns = [
-                next(count) if i >= record.prompt_messages_count and m.role == "assistant" else None
-                for i, m in enumerate(messages)
-            ]
-        trained = {t.index for t in record.turns if t.branch == branch}
-        pieces = render_branch(
-            tokenizer,
-            messages,
-            turns,
-            sampled,
-            trained,
-            prompt_messages_count=record.prompt_messages_count,
-            turn_end=turn_end_ids(tokenizer).id,
-        )
-        for piece in pieces:
-            content = piece.message is not None and (
-                piece.provenance in (Provenance.PROMPT, Provenance.OBSERVATION) or piece.rewritten
-            )
-            if content:
-                forged += sum(i in special for i in piece.ids)
-    return forged
-
-
 def _tree_checks(
     tokenizer: PreTrainedTokenizerBase, fmt: ToolCallFormat, conversations: int, seed: int
 ) -> list[Check]:
     rng = random.Random(seed)
-    special = _special_ids(tokenizer)
     forked = turns = forks = forged = mismatched = miscounted = 0
     first_problem = ""
     for _ in range(conversations):
@@ -219,7 +190,7 @@ def _tree_checks(
             if p is Provenance.MODEL
         ]
         miscounted += trained != sampled
-        forged += _forged(record, tokenizer, special)
+        forged += forged_control_ids(record, tokenizer)
     shape = "append-only" if not forks else f"forking: {forked} of {conversations} episodes"
     return [
         Check("history", True, f"{shape}, {forks} forks over {turns} turns"),
@@ -271,6 +242,32 @@ def _format_checks(
     ]
 
 
+def _assistant_check(tokenizer: PreTrainedTokenizerBase, fmt: ToolCallFormat) -> Check:
+    """How assistant messages reach the template, and whether canonical call turns render back
+    as sampled: two calls as the format writes them, each answered by a tool."""
+    name = "assistant messages"
+    view = assistant_view(tokenizer)
+    if view.structurer is None:
+        return Check(name, True, "rendered from their text")
+    if view.family != fmt.name:
+        why = f"the template renders calls from tool_calls read by the {view.family} parser, "
+        return Check(name, False, why + f"but {fmt.name} calls would be rendered as text")
+    builder = TokenBuilder(tokenizer, [Message(role="user", content="Look it up.")])
+    for k in range(2):
+        text = fmt.render_call(TOOLS[0], {"query": "ok", "a": k})
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids += [] if any(text.endswith(s) for s in fmt.stop_strings) else [builder.turn_end.id]
+        builder.add_model_turn(ids, [-1.0] * len(ids))
+        builder.add_observations([Message(role="tool", content="found", name=TOOLS[0])])
+    forks = builder.branch_count - 1
+    how = (
+        "a call as the model writes it renders back as sampled (append-only)"
+        if not forks
+        else f"the template writes calls otherwise than the model: {forks} of 2 call turns fork"
+    )
+    return Check(name, True, f"structured by the {view.family} parser (tool_calls): {how}")
+
+
 def conform(
     tokenizer: PreTrainedTokenizerBase,
     fmt: ToolCallFormat,
@@ -297,12 +294,13 @@ def conform(
     )
     report.checks += _tree_checks(tokenizer, fmt, conversations, seed)
     report.checks += _format_checks(tokenizer, fmt, seed)
+    report.checks.append(_assistant_check(tokenizer, fmt))
     return report
 
 
 def _cmd_conform(args: argparse.Namespace) -> int:
+    from agent_grpo.inspect.rewriting_templates import TEST_TEMPLATES, with_template
     from agent_grpo.models.loading import load_tokenizer
-    from agent_grpo.testing.templates import TEST_TEMPLATES, with_template
     from agent_grpo.tools.formats.registry import get_tool_format, tool_format_for
 
     tokenizer = load_tokenizer(args.model)
@@ -328,7 +326,7 @@ def _cmd_conform(args: argparse.Namespace) -> int:
 
 def add_conform_parser(subparsers: Any) -> argparse.ArgumentParser:
     """The `conform` subcommand."""
-    from agent_grpo.testing.templates import TEST_TEMPLATES
+    from agent_grpo.inspect.rewriting_templates import TEST_TEMPLATES
 
     parser = subparsers.add_parser(
         "conform", help="check a model's tokenizer, chat template and tool-call format"

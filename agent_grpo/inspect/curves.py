@@ -8,12 +8,6 @@ of each column is the canonical name the trainer should log. Each reward compone
 hides (`agent_grpo.inspect.flags`: dead groups, env/verifier errors, malformed calls,
 truncation). `curves.png` draws them over integer step ticks, the held-out eval's success beside
 the training success.
-
-The record checks back `replay --verify` and `replay --recompute-logprobs`: `verify_record`
-re-runs the environment from the record's seed with its assistant texts and reports the first
-observation or reward that differs; `logprob_drift` compares logprobs recomputed with a
-checkpoint (plain forward at the record's temperature) against the recorded sampler and old
-logprobs, turn by turn.
 """
 
 from __future__ import annotations
@@ -21,38 +15,32 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from agent_grpo._moved import moved_names
 from agent_grpo.inspect.flags import row_flags
 from agent_grpo.run_dir.writer import RunWriter
-from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = [
     "COLUMNS",
     "PLOTS",
     "Curve",
-    "Divergence",
-    "TurnDrift",
     "add_inspect_parser",
     "curves_figure",
-    "drift_table",
+    "format_value",
     "inspect_run",
-    "logprob_drift",
     "metric",
     "metrics_table",
     "panel_curves",
     "plot_curves",
-    "recompute_logprobs",
     "reward_component_keys",
-    "verify_record",
 ]
 
 COLUMNS: list[tuple[str, tuple[str, ...]]] = [
@@ -107,7 +95,8 @@ def _columns(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, tuple[str, ..
     return [*COLUMNS[:at], *components, *COLUMNS[at:]]
 
 
-def _format(value: float | None) -> str:
+def format_value(value: float | None) -> str:
+    """A metric for a table cell: 4 significant figures, '-' when missing."""
     if value is None:
         return "-"
     return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3e}"
@@ -130,7 +119,7 @@ def metrics_table(rows: Sequence[Mapping[str, Any]], title: str = "metrics") -> 
         for name, keys in _columns(rows)
         if any(metric(r, keys) is not None for r in rows)
     ]
-    cells = [[_format(metric(row, keys)) for _, keys in logged] for row in rows]
+    cells = [[format_value(metric(row, keys)) for _, keys in logged] for row in rows]
     headers = ["step", *(name for name, _ in logged)]
     flags = ["; ".join(row_flags(row)) for row in rows]
     if any(flags):
@@ -284,162 +273,12 @@ def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-# --verify
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """The first place a re-run environment disagrees with the record."""
-
-    turn: int | None
-    """Assistant turn after which it diverged; None for the initial prompt."""
-    what: str
-    """prompt, observation, reward or error."""
-    expected: Any
-    """What the record holds."""
-    got: Any
-    """What the re-run environment produced."""
-
-
-def _plain(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """Messages as `{"role", "content", "name"?}` dicts, whatever type the env returned."""
-    out = []
-    for m in messages:
-        m = m if isinstance(m, dict) else m.model_dump()
-        out.append({k: m[k] for k in ("role", "content", "name") if m.get(k) is not None})
-    return out
-
-
-def _recorded_turns(record: TrajectoryRecord) -> list[tuple[str, list[dict[str, Any]]]]:
-    """(assistant text, the messages that follow it) for each recorded turn."""
-    turns: list[tuple[str, list[dict[str, Any]]]] = []
-    for message in record.messages[record.prompt_messages_count :]:
-        if message.role == "assistant":
-            turns.append((message.content, []))
-        elif turns:
-            turns[-1][1].append(message.to_template())
-    return turns
-
-
-def _step(env: Any, turn: int, action: str) -> tuple[Any, float, bool] | Divergence:
-    """One env step as (observation, reward, ended), or the error as a divergence."""
-    try:
-        observation, reward, terminated, truncated, _ = env.step(action)
-    except Exception as error:  # any env failure is the divergence we report
-        return Divergence(turn, "error", "a step", f"{type(error).__name__}: {error}")
-    return observation, float(reward), bool(terminated or truncated)
-
-
-def _replay_turns(env: Any, record: TrajectoryRecord) -> Divergence | None:
-    turns = _recorded_turns(record)
-    for turn, (action, expected) in enumerate(turns):
-        result = _step(env, turn, action)
-        if isinstance(result, Divergence):
-            return result
-        observation, reward, ended = result
-        last = turn == len(turns) - 1
-        if ended and not last:
-            return Divergence(turn, "termination", "episode goes on", "env ended the episode")
-        # The collector keeps no observation from a final step (or never stepped a cut turn).
-        if not (last and not expected) and _plain(observation) != expected:
-            return Divergence(turn, "observation", expected, _plain(observation))
-        if last and ended:
-            expected_reward = record.reward_components.get("verifier", record.reward)
-            if not math.isclose(reward, expected_reward, rel_tol=1e-6, abs_tol=1e-9):
-                return Divergence(turn, "reward", expected_reward, reward)
-        if last and not ended and record.termination.kind == "terminated":
-            return Divergence(turn, "termination", "env ends the episode", "episode goes on")
-    return None
-
-
-def verify_record(record: TrajectoryRecord, make_env: Callable[[str], Any]) -> Divergence | None:
-    """Re-run the env from the record's seed with its assistant texts; the first divergence.
-
-    Checks the prompt, every observation, that the env ends exactly after the last turn when the
-    record says it did, and the env's final reward against the record's `verifier` component
-    (the env's own reward; other sources are added outside the env).
-    """
-    env = make_env(record.env_id)
-    try:
-        messages, _ = env.reset(seed=record.seed)
-        prompt = [m.to_template() for m in record.messages[: record.prompt_messages_count]]
-        if _plain(messages) != prompt:
-            return Divergence(None, "prompt", prompt, _plain(messages))
-        return _replay_turns(env, record)
-    finally:
-        env.close()
-
-
-# --recompute-logprobs
-
-
-@dataclass(frozen=True)
-class TurnDrift:
-    """How far recomputed logprobs of one turn's model tokens are from the recorded ones."""
-
-    turn: int
-    """Turn index."""
-    tokens: int
-    """Model tokens compared."""
-    sampler_mean: float
-    """Mean |recomputed - sampler logprob|."""
-    sampler_max: float
-    """Largest |recomputed - sampler logprob|."""
-    old_mean: float | None
-    """Mean |recomputed - old logprob|; None when the record has no old logprobs."""
-    old_max: float | None
-    """Largest |recomputed - old logprob|; None when the record has no old logprobs."""
-
-
-def recompute_logprobs(model: Any, record: TrajectoryRecord) -> list[float | None]:
-    """Logprobs of `record`'s model tokens under `model` (plain forward, record temperature)."""
-    import torch
-
-    from agent_grpo.models.logprobs import token_logprobs
-
-    ids = torch.tensor([record.token_ids])  # [1, T]
-    with torch.no_grad():
-        values = token_logprobs(model, ids, temperature=record.sampling_temperature)[0]  # [T]
-    return [float(v) if m else None for v, m in zip(values.tolist(), record.loss_mask, strict=True)]
-
-
-def _drift(new: list[float | None], old: Sequence[float | None], span: range) -> list[float]:
-    return [
-        abs(n - o) for n, o in ((new[i], old[i]) for i in span) if n is not None and o is not None
-    ]
-
-
-def logprob_drift(record: TrajectoryRecord, recomputed: list[float | None]) -> list[TurnDrift]:
-    """Per-turn mean/max |recomputed - sampler| and |recomputed - old| over model tokens."""
-    out = []
-    for turn in record.turns:
-        span = range(turn.token_start, turn.token_end)
-        vs_sampler = _drift(recomputed, record.sampler_logprobs, span)
-        vs_old = _drift(recomputed, record.old_logprobs, span) if record.old_logprobs else []
-        out.append(
-            TurnDrift(
-                turn=turn.index,
-                tokens=len(vs_sampler),
-                sampler_mean=statistics.fmean(vs_sampler) if vs_sampler else 0.0,
-                sampler_max=max(vs_sampler, default=0.0),
-                old_mean=statistics.fmean(vs_old) if vs_old else None,
-                old_max=max(vs_old) if vs_old else None,
-            )
-        )
-    return out
-
-
-def drift_table(record: TrajectoryRecord, drifts: Sequence[TurnDrift]) -> Table:
-    """Per-turn drift of one record as a table."""
-    headers = ("turn", "tokens", "|new-sampler| mean", "max", "|new-old| mean", "max")
-    table = Table(*headers, title=f"logprob drift {record.uid}")
-    for d in drifts:
-        table.add_row(
-            str(d.turn),
-            str(d.tokens),
-            _format(d.sampler_mean),
-            _format(d.sampler_max),
-            _format(d.old_mean),
-            _format(d.old_max),
-        )
-    return table
+if not TYPE_CHECKING:  # hidden from the type checker, which would otherwise accept any name here
+    __getattr__ = moved_names(
+        __name__,
+        dict.fromkeys(("Divergence", "verify_record"), "agent_grpo.inspect.verify")
+        | dict.fromkeys(
+            ("TurnDrift", "drift_table", "logprob_drift", "recompute_logprobs"),
+            "agent_grpo.inspect.drift",
+        ),
+    )

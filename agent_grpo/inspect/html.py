@@ -301,28 +301,9 @@ def render_html(
 
 
 def write_html(
-    path: str | Path,
-    records: Sequence[TrajectoryRecord],
-    tokenizer: Any,
-    *,
-    clip_eps: float = DEFAULT_CLIP_EPS,
-    title: str = "agent-grpo replay",
-    low_prob: float = DEFAULT_LOW_PROB,
-    open_step: int | None = None,
-    baselines: Baselines | None = None,
-    pass_at: Sequence[PassAtCurve] = (),
+    path: str | Path, records: Sequence[TrajectoryRecord], tokenizer: Any, **options: Any
 ) -> Path:
-    """Write `render_html(...)` to `path`; return it."""
+    """Write `render_html(records, tokenizer, **options)` to `path` as UTF-8; return it."""
     path = Path(path)
-    page = render_html(
-        records,
-        tokenizer,
-        clip_eps=clip_eps,
-        title=title,
-        low_prob=low_prob,
-        open_step=open_step,
-        baselines=baselines,
-        pass_at=pass_at,
-    )
-    path.write_text(page, encoding="utf-8")
+    path.write_text(render_html(records, tokenizer, **options), encoding="utf-8")
     return path

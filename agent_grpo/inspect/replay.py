@@ -44,12 +44,8 @@ from rich.table import Table
 from rich.text import Text
 
 from agent_grpo.inspect.baseline import AdvantageNorm, GroupBaseline, group_baseline
-from agent_grpo.inspect.curves import (
-    add_inspect_parser,
-    drift_table,
-    logprob_drift,
-    recompute_logprobs,
-)
+from agent_grpo.inspect.curves import add_inspect_parser
+from agent_grpo.inspect.drift import drift_table, logprob_drift, recompute_logprobs
 from agent_grpo.inspect.verify import print_report, verify_lines
 from agent_grpo.inspect.verify_run import check_run
 from agent_grpo.inspect.visible import visible, visible_text

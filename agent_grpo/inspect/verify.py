@@ -23,6 +23,7 @@ record, or an incomplete group, makes the exit status 1.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -30,13 +31,13 @@ from typing import Any
 
 from rich.console import Console
 
-from agent_grpo.inspect.curves import Divergence, verify_record
 from agent_grpo.inspect.visible import visible
 from agent_grpo.run_dir.writer import StoredLine
 from agent_grpo.trajectory.invariants import check_branch_renders, check_invariants
 from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = [
+    "Divergence",
     "Outcome",
     "Verdict",
     "VerifyReport",
@@ -44,9 +45,93 @@ __all__ = [
     "print_report",
     "record_problems",
     "verify_lines",
+    "verify_record",
 ]
 
 EnvFactory = Callable[[str], Any]
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first place a re-run environment disagrees with the record."""
+
+    turn: int | None
+    """Assistant turn after which it diverged; None for the initial prompt."""
+    what: str
+    """prompt, observation, reward or error."""
+    expected: Any
+    """What the record holds."""
+    got: Any
+    """What the re-run environment produced."""
+
+
+def _plain(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Messages as `{"role", "content", "name"?}` dicts, whatever type the env returned."""
+    out = []
+    for m in messages:
+        m = m if isinstance(m, dict) else m.model_dump()
+        out.append({k: m[k] for k in ("role", "content", "name") if m.get(k) is not None})
+    return out
+
+
+def _recorded_turns(record: TrajectoryRecord) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(assistant text, the messages that follow it) for each recorded turn."""
+    turns: list[tuple[str, list[dict[str, Any]]]] = []
+    for message in record.messages[record.prompt_messages_count :]:
+        if message.role == "assistant":
+            turns.append((message.content, []))
+        elif turns:
+            turns[-1][1].append(message.to_template())
+    return turns
+
+
+def _step(env: Any, turn: int, action: str) -> tuple[Any, float, bool] | Divergence:
+    """One env step as (observation, reward, ended), or the error as a divergence."""
+    try:
+        observation, reward, terminated, truncated, _ = env.step(action)
+    except Exception as error:  # any env failure is the divergence we report
+        return Divergence(turn, "error", "a step", f"{type(error).__name__}: {error}")
+    return observation, float(reward), bool(terminated or truncated)
+
+
+def _replay_turns(env: Any, record: TrajectoryRecord) -> Divergence | None:
+    turns = _recorded_turns(record)
+    for turn, (action, expected) in enumerate(turns):
+        result = _step(env, turn, action)
+        if isinstance(result, Divergence):
+            return result
+        observation, reward, ended = result
+        last = turn == len(turns) - 1
+        if ended and not last:
+            return Divergence(turn, "termination", "episode goes on", "env ended the episode")
+        # The collector keeps no observation from a final step (or never stepped a cut turn).
+        if not (last and not expected) and _plain(observation) != expected:
+            return Divergence(turn, "observation", expected, _plain(observation))
+        if last and ended:
+            expected_reward = record.reward_components.get("verifier", record.reward)
+            if not math.isclose(reward, expected_reward, rel_tol=1e-6, abs_tol=1e-9):
+                return Divergence(turn, "reward", expected_reward, reward)
+        if last and not ended and record.termination.kind == "terminated":
+            return Divergence(turn, "termination", "env ends the episode", "episode goes on")
+    return None
+
+
+def verify_record(record: TrajectoryRecord, make_env: Callable[[str], Any]) -> Divergence | None:
+    """Re-run the env from the record's seed with its assistant texts; the first divergence.
+
+    Checks the prompt, every observation, that the env ends exactly after the last turn when the
+    record says it did, and the env's final reward against the record's `verifier` component
+    (the env's own reward; other sources are added outside the env).
+    """
+    env = make_env(record.env_id)
+    try:
+        messages, _ = env.reset(seed=record.seed)
+        prompt = [m.to_template() for m in record.messages[: record.prompt_messages_count]]
+        if _plain(messages) != prompt:
+            return Divergence(None, "prompt", prompt, _plain(messages))
+        return _replay_turns(env, record)
+    finally:
+        env.close()
 
 
 class Outcome(StrEnum):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from agent_grpo.config.base import ConfigModel
 from agent_grpo.rollout.backends.base import SamplingConfig
@@ -108,6 +108,31 @@ class RayWorkers(ConfigModel):
     """CPUs Ray reserves for each actor."""
     num_gpus_per_worker: float = Field(default=0.0, ge=0)
     """GPUs Ray reserves for each actor."""
+    resources: dict[str, float] = {}
+    """Custom Ray resources each actor needs, e.g. `{rollout_node: 1}` to place the actors on
+    the nodes started with `ray start --resources '{"rollout_node": 1}'` (docs/scaling.md).
+    CPUs and GPUs are the two fields above."""
+    weight_sync: Literal["object_store", "broadcast"] = "broadcast"
+    """How a push reaches the actors. `broadcast`: the trainer broadcasts the tensors over a
+    process group it shares with the actors (gloo for CPU weights, NCCL for CUDA weights;
+    agent_grpo/rollout/weight_sync.py). `object_store`: one `ray.put` that every actor reads.
+    Timings of both: docs/benchmarks.md; why the default: docs/scaling.md."""
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(
+                    f"rollout.workers.resources names Ray's own resource {name!r}: set "
+                    "num_cpus_per_worker / num_gpus_per_worker instead"
+                )
+            if not name or amount <= 0:
+                raise ValueError(
+                    f"rollout.workers.resources: {name!r}: {amount} must be a named resource "
+                    "with a positive amount"
+                )
+        return value
 
 
 WorkersConfig = Annotated[LocalWorkers | RayWorkers, Field(discriminator="type")]
@@ -170,6 +195,11 @@ class RolloutConfig(ConfigModel):
     branch more per episode. The cheap invariants run on every record regardless."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings for training rollouts."""
+    mismatch_causes_every: int = Field(default=0, ge=0)
+    """Every this many steps, split the sampler/trainer logprob gap of the tokens the trainer's
+    own weights sampled into the sampling filter's, the engine dtype's and the kernels' shares
+    (`mismatch_cause/<name>`, agent_grpo/trainer/mismatch.py): one more forward pass without
+    gradient. 0: never. Staleness's share is logged every step (`mismatch_staleness/<k>`)."""
     canary: CanaryConfig | None = None
     """Check after weight pushes that every engine holds the pushed weights (`CanaryConfig`;
     `{}` checks every push); None: no check."""

@@ -4,8 +4,10 @@
 so a group never straddles two policies' weights) in contiguous blocks to the workers, runs
 `collect_groups` in each, and returns the records in task order with the group ids a single
 `collect_groups` call would give. Sampling seeds come from (seed, step, task, index, turn) in the
-collector, so which worker ran a task does not change its trajectory. `update_weights` puts the
-state dict in the object store once; every actor loads that one copy.
+collector, so which worker ran a task does not change its trajectory. `update_weights` reaches
+the actors by broadcast over a weight group of the trainer and the actors
+(`agent_grpo/rollout/weight_sync.py`; the default) or through the object store (one copy that
+every actor reads); either way each actor loads it after the collections queued before it.
 
 Ray is imported only when a pool is built: the single-process path (`collect_groups` with a
 backend in the trainer process) stays the default and needs no Ray. The caller owns `ray.init`
@@ -17,31 +19,54 @@ Where we depart from common practice:
   that issued them, and a worker needs only the model directory and the env registry.
 - Blocks are balanced by task count, not by expected tokens (every task has G samples; lengths
   are unknown in advance). Metrics of a collection add up counts; times are the slowest worker's.
+- A broadcast is received beside a collection in progress (a Ray concurrency group of its own)
+  and kept until the actor's queue reaches its load, so a push never waits for a collection;
+  the price is one more copy of the weights per actor while it waits (the object store's copy
+  costs the same). verl and OpenRLHF instead push when the engines are idle.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from agent_grpo.models.loading import load_model, load_tokenizer
-from agent_grpo.rollout.backends.factory import EngineLimits, build_backend, rollout_limits
+from agent_grpo.config.jobs import LoraSettings
+from agent_grpo.models.loading import load_tokenizer
+from agent_grpo.rollout.backends.factory import EngineLimits, rollout_limits
 from agent_grpo.rollout.collector import (
+    Collection,
     CollectOptions,
     RolloutMetrics,
     RolloutResult,
     Task,
     collect_groups,
+    group_id_of,
 )
 from agent_grpo.rollout.config import BackendConfig, HFBackendConfig, RolloutConfig
+from agent_grpo.rollout.engine_weights import start_engine
+from agent_grpo.rollout.partial import PartialCollector, StreamTask, TaskStream
+from agent_grpo.rollout.weight_sync import (
+    GroupAddress,
+    TensorSpec,
+    WeightReceiver,
+    WeightSender,
+    distinct_tensors,
+    payload_bytes,
+    tensor_specs,
+)
 from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = ["PendingCollection", "RayRolloutPool", "RolloutWorker", "merge_metrics", "split_tasks"]
+
+WEIGHTS_GROUP = "weights"
+"""The actors' concurrency group for weight-group calls, which run beside a collection."""
+WeightSync = Literal["object_store", "broadcast"]
 
 
 def split_tasks(num_tasks: int, num_workers: int) -> list[range]:
@@ -55,9 +80,10 @@ def split_tasks(num_tasks: int, num_workers: int) -> list[range]:
     return [b for b in blocks if len(b)]
 
 
-def _group_id(step: int, task_index: int) -> str:
-    """`collect_groups`' group id of task `task_index` of a call (kept in step with collector)."""
-    return f"s{step}-t{task_index}"
+def _shares(total: int, workers: int) -> list[int]:
+    """`total` split over `workers`, sizes differing by at most one, in worker order."""
+    base, extra = divmod(total, workers)
+    return [base + (w < extra) for w in range(workers)]
 
 
 def _renumber(
@@ -66,7 +92,7 @@ def _renumber(
     """Give a block's records the group ids of their tasks' places in the whole task list."""
     out = []
     for j, record in enumerate(records):
-        group = _group_id(step, first_task + j // group_size)
+        group = group_id_of(step, first_task + j // group_size)
         members = [f"{group}/{i}" for i in range(record.group_size)]
         out.append(record.model_copy(update={"group_id": group, "group_member_ids": members}))
     return out
@@ -93,11 +119,14 @@ def merge_metrics(parts: Sequence[RolloutMetrics], wall_time_s: float) -> Rollou
         env_retries=sum(p.env_retries for p in parts),
         env_failures=sum(p.env_failures for p in parts),
         worker_failures=sum(p.worker_failures for p in parts),
+        in_flight_groups=sum(p.in_flight_groups for p in parts),
     )
 
 
 class RolloutWorker:
-    """One rollout process: model, backend and collector settings (what each actor holds)."""
+    """One rollout process: its engine, where pushes go, and collector settings (what each actor
+    holds). Calls run one at a time in order, except those of the `weights` concurrency group
+    (joining the weight group, receiving a broadcast), which run beside a collection."""
 
     def __init__(
         self,
@@ -106,13 +135,24 @@ class RolloutWorker:
         collector: CollectOptions,
         limits: EngineLimits,
         dtype: str = "float32",
+        lora: LoraSettings | None = None,
+        adapters: int = 1,
     ) -> None:
         self.tokenizer = load_tokenizer(model_path)
-        self.model = load_model(model_path, dtype=getattr(torch, dtype))
-        self.backend = build_backend(backend, self.model, self.tokenizer, model_path, None, limits)
+        self.backend, self.weights = start_engine(
+            model_path, backend, self.tokenizer, limits, dtype, lora, adapters
+        )
         self.collector = collector
         self.version = 0
         """The policy version of the weights this worker samples with (see `update_weights`)."""
+        self.receiver: WeightReceiver | None = None
+        """This worker's side of the trainer's weight group (`weight_sync: broadcast`)."""
+        self.received: dict[int, dict[str, torch.Tensor]] = {}
+        """Broadcast weights by version, kept until `apply_weights` loads them in turn."""
+        self.lock = threading.Lock()
+        """Guards `received` between the `weights` group's thread and the default one."""
+        self.partial: PartialCollector | None = None
+        """With partial rollouts, the groups this worker keeps in flight between calls."""
 
     def collect(self, tasks: list[Task], step: int, run_id: str) -> RolloutResult:
         """`collect_groups` over these tasks, numbered from 0 (the pool renumbers groups); every
@@ -126,11 +166,50 @@ class RolloutWorker:
         self.backend.free_caches()  # the trainer's update, on this machine too, needs the memory
         return result
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int = 0) -> None:
-        """Load new weights into the model, then hand them to the backend (drops its caches)."""
-        self.model.load_state_dict(dict(state_dict))
-        self.backend.update_weights(self.model)
+    def collect_partial(
+        self, admit: list[StreamTask], want: int, step: int, run_id: str
+    ) -> RolloutResult:
+        """Partial rollouts (`rollout/partial.py`): admit `admit` into the groups this worker
+        keeps in flight, run turns until `want` of them have finished and return those; the
+        others continue at the next call, on whatever weights were loaded in between. Each turn
+        is tagged with this worker's policy version."""
+        if self.partial is None:
+            collection = Collection(self.backend, self.tokenizer, self.collector, run_id=run_id)
+            self.partial = PartialCollector(collection)
+        result = self.partial.collect(admit, want, step, self.version)
+        self.backend.free_caches()
+        return result
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int = 0) -> None:
+        """Load pushed weights (or a LoRA adapter) into the engine; it drops its caches."""
+        self.weights.load(dict(weights), version)
         self.version = version
+
+    def join_weight_group(self, address: GroupAddress, rank: int) -> None:
+        """Join the trainer's weight group as `rank` (leaving an earlier one); in the `weights`
+        concurrency group, beside any collection."""
+        import ray
+
+        if self.receiver is not None:
+            self.receiver.close()
+        self.receiver = WeightReceiver(address, rank, ray.util.get_node_ip_address())
+
+    def receive_weights(self, specs: list[TensorSpec], version: int) -> None:
+        """Take part in the trainer's broadcast of `version` and keep the tensors until
+        `apply_weights`; in the `weights` concurrency group, beside any collection."""
+        if self.receiver is None:
+            raise RuntimeError("receive_weights before join_weight_group")
+        nccl = self.receiver.address.backend == "nccl"
+        tensors = self.receiver.receive(specs, torch.device("cuda" if nccl else "cpu"))
+        with self.lock:
+            self.received[version] = tensors
+
+    def apply_weights(self, version: int) -> None:
+        """Load the received weights of `version` (in turn: after the collections queued
+        before it)."""
+        with self.lock:
+            weights = self.received.pop(version)
+        self.update_weights(weights, version)
 
     def score(
         self, sequences: list[list[int]], targets: list[list[bool]]
@@ -143,9 +222,20 @@ class RolloutWorker:
         """Alive (for tests and health checks)."""
         return True
 
+    def node(self) -> str:
+        """The id of the Ray node this worker runs on."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
     def close(self) -> None:
-        """Release the backend."""
+        """Release the backend, the weight group and any envs in flight."""
+        if self.partial is not None:
+            self.partial.close()
         self.backend.close()
+        self.weights.close()
+        if self.receiver is not None:
+            self.receiver.close()
 
 
 def _import_ray() -> Any:
@@ -172,6 +262,11 @@ class PendingCollection:
     """Ray object refs of each block's `RolloutResult`."""
     started: float
     """`time.perf_counter()` at submission."""
+    wants: list[int] | None = None
+    """Partial rollouts: how many finished groups each worker returns (`submit_partial`);
+    None for a whole collection of `tasks`."""
+    workers: list[Any] | None = None
+    """Partial rollouts: the worker each future belongs to."""
 
 
 class RayRolloutPool:
@@ -188,7 +283,14 @@ class RayRolloutPool:
         dtype: str = "float32",
         num_cpus_per_worker: float = 1.0,
         num_gpus_per_worker: float = 0.0,
+        resources: Mapping[str, float] | None = None,
+        weight_sync: WeightSync = "broadcast",
+        lora: LoraSettings | None = None,
+        adapters: int = 1,
     ) -> None:
+        """`resources`: custom Ray resources each actor needs (placement); `weight_sync`: how
+        `update_weights` reaches the actors; `lora`: pushes are this adapter's tensors, and a
+        vLLM engine keeps `adapters` versions of it loaded."""
         ray = _import_ray()
         if not ray.is_initialized():
             raise RuntimeError("call ray.init() (or ray.init(address='auto')) before the pool")
@@ -200,15 +302,26 @@ class RayRolloutPool:
         # A progress display inside an actor is only noise in the driver's log.
         self.collector = dataclasses.replace(collector, show_progress=False)
         limits = limits or rollout_limits(defaults)
-        actor = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(
-            RolloutWorker
-        )
-        self.workers = [
-            actor.options(scheduling_strategy="SPREAD").remote(
-                model_path, backend or HFBackendConfig(), self.collector, limits, dtype
-            )
-            for _ in range(num_workers)
-        ]
+        actor = ray.remote(
+            num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker,
+            resources=dict(resources or {}), concurrency_groups={WEIGHTS_GROUP: 1},
+        )(RolloutWorker)  # fmt: skip
+        arguments = (model_path, backend or HFBackendConfig(), self.collector, limits, dtype,
+                     lora, adapters)  # fmt: skip
+        spread = actor.options(scheduling_strategy="SPREAD")
+        self.workers = [spread.remote(*arguments) for _ in range(num_workers)]
+        self.weight_sync = weight_sync
+        self.actor_gpus = num_gpus_per_worker
+        self.sender: WeightSender | None = None
+        """The trainer's side of the weight group (`broadcast`), formed on the first push."""
+        self.members: list[Any] = []
+        """The workers `sender`'s group was formed with."""
+        self.last_push_bytes = 0
+        """Bytes of the tensors of the last `update_weights` (each actor receives them once)."""
+        self.held: dict[Any, dict[str, StreamTask]] = {w: {} for w in self.workers}
+        """Partial rollouts: each worker's groups admitted and not yet returned, by group id."""
+        self.owed: dict[Any, int] = {w: 0 for w in self.workers}
+        """Partial rollouts: finished groups each worker's submitted calls will return."""
 
     def collect(self, tasks: Sequence[Task], step: int = 0, run_id: str = "") -> RolloutResult:
         """Every task's group, collected across the workers; records in task order."""
@@ -232,9 +345,31 @@ class RayRolloutPool:
         ]
         return PendingCollection(list(tasks), step, run_id, blocks, futures, time.perf_counter())
 
+    def submit_partial(
+        self, stream: TaskStream, want: int, over: int, step: int, run_id: str
+    ) -> PendingCollection:
+        """Partial rollouts: every worker tops its groups in flight up to its share of
+        `want + over` from `stream` and returns its share of `want` finished groups; the rest
+        stay in flight on the worker (`RolloutWorker.collect_partial`). Calls queue on each
+        actor in order, behind the weights pushed before them."""
+        workers = list(self.workers)
+        wants, overs = _shares(want, len(workers)), _shares(over, len(workers))
+        futures = []
+        for worker, share, extra in zip(workers, wants, overs, strict=True):
+            in_flight = len(self.held[worker]) - self.owed[worker]  # once its queue has run
+            admit = stream.take(share + extra - in_flight)
+            self.held[worker].update({group_id_of(t.step, t.index): t for t in admit})
+            self.owed[worker] += share
+            futures.append(worker.collect_partial.remote(admit, share, step, run_id))
+        return PendingCollection([], step, run_id, [], futures, time.perf_counter(), wants,
+                                 workers)  # fmt: skip
+
     def wait(self, pending: PendingCollection) -> RolloutResult:
         """The submitted collection's result. A block whose worker died (its actor killed, its
-        node gone) is sent again to a surviving worker; `metrics.worker_failures` counts it."""
+        node gone) is sent again to a surviving worker; `metrics.worker_failures` counts it.
+        With partial rollouts, the groups the dead worker held start over on a live one."""
+        if pending.wants is not None:
+            return self._wait_partial(pending)
         results: list[RolloutResult] = []
         failures = 0
         for block, future in zip(pending.blocks, pending.futures, strict=True):
@@ -254,6 +389,42 @@ class RayRolloutPool:
         metrics.worker_failures = failures
         return RolloutResult(records=records, metrics=metrics)
 
+    def _wait_partial(self, pending: PendingCollection) -> RolloutResult:
+        """Each worker's finished groups (records keep the ids of the step their tasks came
+        from). A worker that died hands its groups in flight, as tasks, to a live one, which
+        returns the dead one's share of finished groups in its place."""
+        assert pending.wants is not None and pending.workers is not None
+        results: list[RolloutResult] = []
+        failures = 0
+        for worker, future, want in zip(pending.workers, pending.futures, pending.wants,
+                                        strict=True):  # fmt: skip
+            while True:
+                try:
+                    result = self._ray.get(future)
+                    break
+                except self._ray.exceptions.RayActorError:
+                    failures += 1
+                    worker, future = self._readmit(worker, want, pending)
+            self.owed[worker] -= want
+            for record in result.records:
+                self.held[worker].pop(record.group_id, None)
+            results.append(result)
+        records = [r for result in results for r in result.records]
+        metrics = merge_metrics([r.metrics for r in results], time.perf_counter() - pending.started)
+        metrics.worker_failures = failures
+        return RolloutResult(records=records, metrics=metrics)
+
+    def _readmit(self, dead: Any, want: int, pending: PendingCollection) -> tuple[Any, Any]:
+        """Move a dead worker's groups in flight (as tasks, to start over) and what it owed to
+        a live worker; returns that worker and its call for `want` finished groups."""
+        self.workers = self._live([w for w in self.workers if w is not dead])
+        worker = self.workers[0]
+        tasks, owed = self.held.pop(dead, {}), self.owed.pop(dead, 0)
+        self.held[worker].update(tasks)
+        self.owed[worker] += owed
+        admit = list(tasks.values())
+        return worker, worker.collect_partial.remote(admit, want, pending.step, pending.run_id)
+
     def _resend(self, pending: PendingCollection, block: range) -> Any:
         """Drop dead workers and give `block` to a live one (the least recently handed one)."""
         alive = []
@@ -270,17 +441,84 @@ class RayRolloutPool:
         tasks = [pending.tasks[i] for i in block]
         return worker.collect.remote(tasks, pending.step, pending.run_id)
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int = 0) -> None:
-        """Send new weights, tagged `version`, to every worker: one object-store copy that every
-        actor reads. Queued behind each actor's submitted collections; returns at once (a later
-        collection on that actor runs after the load).
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int = 0) -> None:
+        """Send new weights, tagged `version`, to every worker; each loads them after its
+        submitted collections (a collection submitted later samples with them). A tied
+        weight's second name is dropped: one copy travels.
 
-        Pass `policy.state_dict()`, or `agent_grpo.trainer.parallel.full_state_dict` under FSDP2.
+        `object_store`: one `ray.put` that every actor reads; returns at once. `broadcast`:
+        returns once every actor has received its copy (beside any collection in progress).
+        Pass `policy.state_dict()`, `agent_grpo.trainer.parallel.full_state_dict` under FSDP2,
+        or with `lora` the adapter's tensors (`agent_grpo.rollout.adapters.adapter_state`).
         """
-        cpu = {k: v.detach().to("cpu") for k, v in state_dict.items()}
-        shared = self._ray.put(cpu)
+        distinct = distinct_tensors(weights)
+        specs = tensor_specs(distinct)
+        self.last_push_bytes = payload_bytes(specs)
+        if self.weight_sync == "broadcast":
+            self._broadcast(distinct, specs, version)
+            return
+        shared = self._ray.put({k: v.detach().to("cpu") for k, v in distinct.items()})
         for worker in self.workers:
             worker.update_weights.remote(shared, version)
+
+    def _broadcast(
+        self, weights: dict[str, torch.Tensor], specs: list[TensorSpec], version: int
+    ) -> None:
+        """Broadcast `weights` to every live worker, then queue each one's load. The group is
+        formed again when workers died; a broadcast that fails is retried once."""
+        for attempt in (1, 2):
+            try:
+                self._form_group(next(iter(weights.values())).device)
+                assert self.sender is not None
+                receive = [w.receive_weights.options(concurrency_group=WEIGHTS_GROUP)
+                           for w in self.workers]  # fmt: skip
+                received = [call.remote(specs, version) for call in receive]
+                self.sender.send(weights, specs)
+                self._ray.get(received)
+                break
+            except (RuntimeError, self._ray.exceptions.RayError):
+                if self.sender is not None:
+                    self.sender.close()
+                self.sender, self.members = None, []
+                if attempt == 2:
+                    raise
+        for worker in self.workers:
+            worker.apply_weights.remote(version)
+
+    def _form_group(self, device: torch.device) -> None:
+        """The weight group of the trainer and the live workers (again, when a worker died
+        since it was formed). NCCL for CUDA weights when actors have GPUs, else gloo."""
+        self.workers = self._live(self.workers)
+        if self.sender is not None and self.members == self.workers:
+            return
+        if self.sender is not None:
+            self.sender.close()
+        nccl = device.type == "cuda" and self.actor_gpus > 0
+        host = self._ray.util.get_node_ip_address()
+        self.sender = WeightSender(host, len(self.workers), "nccl" if nccl else "gloo")
+        joined = [
+            w.join_weight_group.options(concurrency_group=WEIGHTS_GROUP).remote(
+                self.sender.address, rank
+            )
+            for rank, w in enumerate(self.workers, start=1)
+        ]
+        self.sender.connect()
+        self._ray.get(joined)
+        self.members = list(self.workers)
+
+    def _live(self, workers: list[Any]) -> list[Any]:
+        """The workers that answer a ping in their `weights` group (at once, mid-collection)."""
+        pings = [w.ping.options(concurrency_group=WEIGHTS_GROUP).remote() for w in workers]
+        alive = []
+        for worker, ping in zip(workers, pings, strict=True):
+            try:
+                self._ray.get(ping, timeout=60)
+                alive.append(worker)
+            except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
+                continue
+        if not alive:
+            raise RuntimeError("every rollout worker died")
+        return alive
 
     def score(
         self, sequences: list[list[int]], targets: list[list[bool]]
@@ -289,9 +527,15 @@ class RayRolloutPool:
         after that actor's queued collections and weight loads."""
         return self._ray.get([w.score.remote(sequences, targets) for w in self.workers])
 
+    def nodes(self) -> list[str]:
+        """The Ray node id of each worker, in worker order."""
+        return list(self._ray.get([w.node.remote() for w in self.workers]))
+
     def close(self) -> None:
-        """Release every worker's backend and end the actors."""
+        """Release every worker's backend and the weight group, and end the actors."""
         self._ray.get([worker.close.remote() for worker in self.workers])
+        if self.sender is not None:
+            self.sender.close()
         for worker in self.workers:
             self._ray.kill(worker)
         self.workers = []

@@ -18,8 +18,8 @@ trajectories and may interrupt a generation for a weight update; on Ray workers 
 collections per version, which keeps every group on one policy, at the cost of some idle time at
 the end of a collection. On the trainer's own engine, `rollout.partial` carries unfinished groups
 across updates instead (agent_grpo/rollout/partial.py). Weights go through Ray's object store
-(one put, many gets); on a GPU cluster a NCCL broadcast group does this instead
-(docs/scaling.md).
+(one put, many gets) or a broadcast over a gloo/NCCL group of the trainer and the actors
+(`rollout.workers.weight_sync`, docs/scaling.md); with LoRA only the adapter travels.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import torch
 
 from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.logs import get_logger
+from agent_grpo.models.loading import resolve_model_path
+from agent_grpo.rollout.adapters import adapter_state
 from agent_grpo.rollout.backends.base import GenerationBackend
 from agent_grpo.rollout.backends.factory import rollout_limits
 from agent_grpo.rollout.collector import Collection, RolloutResult
@@ -179,6 +181,8 @@ class RayRollouts:
         )  # fmt: skip
         self.pending: dict[int, Any] = {}
         self.submitted = -1
+        self.stream = TaskStream(config)
+        """Partial rollouts' tasks, handed to the workers as their groups finish."""
 
     @classmethod
     def start(cls, config: TrainConfig, model_path: str, stop: list[str]) -> RayRollouts:
@@ -197,30 +201,46 @@ class RayRollouts:
             else:  # a private local instance, sized to the workers
                 ray.init(num_cpus=max(2, workers.num_workers), include_dashboard=False,
                          log_to_driver=False)  # fmt: skip
+        lora = config.model.lora
+        if lora is not None:  # actors start from the base model; pushes set the adapter
+            model_path = resolve_model_path(config.model.name_or_path)
         pool = RayRolloutPool(
             workers.num_workers, model_path, config.rollout.backend,
             collector_config(config, stop), limits=rollout_limits(config.rollout),
             num_cpus_per_worker=workers.num_cpus_per_worker,
-            num_gpus_per_worker=workers.num_gpus_per_worker,
+            num_gpus_per_worker=workers.num_gpus_per_worker, resources=workers.resources,
+            weight_sync=workers.weight_sync, lora=lora, adapters=config.algo.max_staleness + 1,
         )  # fmt: skip
         return cls(config, pool, started)
 
     def _submit_through(self, last: int) -> None:
         """Submit every step up to `last`. Synchronous, a step is split over all workers;
         asynchronous, whole steps go to the workers in turn, so the k steps in flight sample
-        at once on different actors (each actor runs one collection at a time)."""
+        at once on different actors (each actor runs one collection at a time). With partial
+        rollouts every step asks every worker for its share of finished groups."""
+        partial, run = self.config.rollout.partial, self.config.run.name
         for step in range(self.submitted + 1, min(last, self.config.steps - 1) + 1):
-            workers = None if self.k == 0 else [step]
-            self.pending[step] = self.pool.submit(step_tasks(self.config, step), step,
-                                                  self.config.run.name, workers)  # fmt: skip
+            if partial is not None:
+                want, over = self.config.rollout.tasks_per_step, partial.over_sample
+                self.pending[step] = self.pool.submit_partial(self.stream, want, over, step, run)
+            else:
+                workers = None if self.k == 0 else [step]
+                self.pending[step] = self.pool.submit(step_tasks(self.config, step), step, run,
+                                                      workers)  # fmt: skip
             self.submitted = step
 
     def collect(self, step: int, version: int) -> RolloutResult:
         """The step's groups (submitting the next `k` steps' first), scored; groups sampled
-        more than `k` versions ago are dropped and counted in `metrics.stale_dropped`."""
-        self.submitted = max(self.submitted, step - 1)  # a resumed run starts submitting here
+        more than `k` versions ago are dropped and counted in `metrics.stale_dropped`. Partial
+        rollouts drop none: a carried group's turns older than `k` are masked per token by the
+        trainer instead (agent_grpo/algo/staleness.py)."""
+        if self.submitted < step - 1:  # a resumed run starts submitting (and streaming) here
+            self.submitted = step - 1
+            self.stream.position = step * self.config.rollout.tasks_per_step
         self._submit_through(step + self.k)
         result = score(self.config, self.pool.wait(self.pending.pop(step)))
+        if self.config.rollout.partial is not None:
+            return result
         fresh = [r for r in result.records if version - r.policy_version <= self.k]
         dropped = len(result.records) - len(fresh)
         if dropped:
@@ -233,8 +253,10 @@ class RayRollouts:
         return result
 
     def push(self, model: torch.nn.Module, version: int) -> None:
-        """One object-store copy of the weights, loaded by every actor after its queued work."""
-        self.pool.update_weights(model.state_dict(), version)
+        """The weights (with LoRA, the adapter's tensors alone) to every actor, by
+        `rollout.workers.weight_sync`; each loads them after its queued work."""
+        lora = self.config.model.lora is not None
+        self.pool.update_weights(adapter_state(model) if lora else model.state_dict(), version)
 
     def score_canary(
         self, sequences: list[list[int]], targets: list[list[bool]]
@@ -245,7 +267,9 @@ class RayRollouts:
         return [EngineScore(f"rollout worker {i}", v, lp) for i, (v, lp) in enumerate(scores)]
 
     def state(self) -> bytes | None:
-        """Nothing: the collections in flight are resubmitted on resume."""
+        """Nothing: the collections in flight are resubmitted on resume (partial rollouts: the
+        stream starts again at the resumed step's tasks; the groups the actors had in flight
+        are not kept)."""
         return None
 
     def restore(self, state: bytes) -> None:

@@ -253,7 +253,7 @@ def estimate(
     `behaviour` (the sampler's logprobs, `old_logprobs: sampler`). The loss's
     `sampler_logprobs` are always the behaviour policy's. `failures` fails episodes as an
     infrastructure failure would (`rollout.on_failure`). One thread: on tensors this small,
-    OpenMP's start-up costs more than the work (13x here)."""
+    OpenMP's start-up costs more than the work (docs/benchmarks.md, "The exact-gradient meter")."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

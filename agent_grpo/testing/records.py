@@ -22,6 +22,9 @@ __all__ = [
     "expert_record",
     "group_records",
     "minimal_record",
+    "sampled_ids",
+    "tool_turn_record",
+    "truncated_record",
 ]
 
 
@@ -62,6 +65,32 @@ def minimal_record(
         "lengths": Lengths(total=len(provenance), model=model),
     }
     return TrajectoryRecord(**(values | fields))
+
+
+def tool_turn_record(
+    call: ToolCallRecord,
+    *,
+    user: str,
+    model: str,
+    tool: str,
+    tool_name: str | None,
+    provenance: list[Provenance],
+    **fields: Any,
+) -> TrajectoryRecord:
+    """A one-turn tool episode: `user` asks, the assistant's turn (the `model` tokens of
+    `provenance`, text `model`) makes `call`, the tool `tool_name` answers `tool`; ids count up
+    from 0 unless `fields` say otherwise, and `fields` set anything else (`minimal_record`)."""
+    model_at = [i for i, p in enumerate(provenance) if p is Provenance.MODEL]
+    turn = TurnRecord(index=0, model_text=model, token_start=model_at[0],
+                      token_end=model_at[-1] + 1, finish_reason="stop",
+                      tool_calls=[call])  # fmt: skip
+    messages = [Message(role="user", content=user), Message(role="assistant", content=model),
+                Message(role="tool", content=tool, name=tool_name)]  # fmt: skip
+    values: dict[str, Any] = {"token_ids": list(range(len(provenance))), "task_id": "t",
+                              "prompt_messages_count": 1}  # fmt: skip
+    return minimal_record(
+        provenance=provenance, messages=messages, turns=[turn], **(values | fields)
+    )
 
 
 def calculator_record(
@@ -181,6 +210,21 @@ def builder_record(builder: TokenBuilder, **overrides: Any) -> TrajectoryRecord:
         "termination": Termination(kind="terminated", reason="final_answer"),
     }
     return builder.to_record(**(fields | overrides))
+
+
+def truncated_record(builder: TokenBuilder) -> TrajectoryRecord:
+    """`builder_record` of an episode a limit ended (max_turns): nothing is verified."""
+    return builder_record(builder, termination=Termination(kind="truncated", reason="max_turns"))
+
+
+def sampled_ids(record: TrajectoryRecord) -> list[int]:
+    """Every `model` id of every row of `record`, in row order: each sampled id once."""
+    return [
+        t
+        for row in record.rows()
+        for t, p in zip(row.token_ids, row.provenance, strict=True)
+        if p is Provenance.MODEL
+    ]
 
 
 def expert_record(env_id: str, seed: int, **env_kwargs: Any) -> TrajectoryRecord:

@@ -41,9 +41,12 @@ def tiny_model_config() -> LlamaConfig:
 def build_tiny_model(
     tokenizer: PreTrainedTokenizerBase | None = None, *, seed: int = 0
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
-    """A randomly initialised tiny SmolLM2-shaped model (same weights for the same seed)."""
+    """A randomly initialised tiny SmolLM2-shaped model (same weights for the same seed), its
+    vocabulary grown to the tokenizer's when that has added tokens."""
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(DEFAULT_MODEL)
     config = tiny_model_config()
+    # a test template's family tokens (inspect/rewriting_templates.py) come past SmolLM2's ids
+    config.vocab_size = max(config.vocab_size, len(tokenizer))
     # Fork so building a test model never disturbs the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.fields import FieldInfo
 from pydantic.json_schema import GenerateJsonSchema
 
-from agent_grpo.tools.formats.base import short_repr
+from agent_grpo.tools.formats.base import TOOL_NAME, short_repr
 from agent_grpo.trajectory.record import ToolCallRecord
 
 __all__ = [
@@ -98,12 +98,6 @@ class Tool:
                 "parameters": parameters,
             },
         }
-
-
-TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-"""What a tool name may be: it is written into prompts and calls of every format, where a space,
-a quote, `<`, `>`, `|`, `[` or a newline could read as template markup (`<|im_end|>`,
-`[TOOL_CALLS]`, a closing tag)."""
 
 
 def check_tool_name(name: object) -> None:

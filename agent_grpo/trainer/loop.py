@@ -53,10 +53,23 @@ from agent_grpo.trainer.metrics import (
     mismatch_by_staleness,
     step_metrics,
 )
+from agent_grpo.trainer.mismatch import (
+    EngineView,
+    causes_sampling,
+    engine_view,
+    mismatch_causes,
+)
 from agent_grpo.trainer.parallel import broadcast_object
 from agent_grpo.trainer.progress import RunProgress
 from agent_grpo.trainer.resume import check_resume, record_changes
-from agent_grpo.trainer.setup import RunStart, resolve_max_tokens, set_up, start_distributed
+from agent_grpo.trainer.setup import (
+    RunStart,
+    compute_dtype,
+    engine_dtype,
+    resolve_max_tokens,
+    set_up,
+    start_distributed,
+)
 from agent_grpo.trainer.step_log import DeadStepWatch, record_step
 from agent_grpo.trainer.trackers import StepCallback, check_trackers, open_trackers
 from agent_grpo.trainer.trainer import Trainer, push_weights, share_rollout, verify_push
@@ -113,6 +126,10 @@ def train_step(
     if trainer.reference is not None:
         pi_ref = batch_logprobs(trainer.reference, batch, temperature, algo, ctx)  # [B, T]
     ref_s = clock.lap()
+    # the gap's causes are scored by the weights that sampled: before the update
+    own = batch.loss_mask & (versions == step)  # [B, T] sampled by the weights trained now
+    view = _engine_view(config, trainer, batch, own, temperature, step)
+    view_s = clock.lap()
     # 4. loss and optimizer steps
     update, first_pass = grpo_update(
         trainer.policy, trainer.optimizer, batch, pi_old, pi_ref, algo, temperature, max_tokens,
@@ -129,18 +146,41 @@ def train_step(
     # 6. what the step did
     _annotate(records, trainer_pi_old, pi_ref, batch)
     times = StepTimes(
-        rollout_wait=waited, old_logprobs=old_s, reference=ref_s, update=update_s,
-        weight_push=push_s, canary=canary_s, step=clock.total(),
+        step_time_s=clock.total(), rollout_wait_time_s=waited, old_logprobs_time_s=old_s,
+        reference_time_s=ref_s, mismatch_causes_time_s=view_s, update_time_s=update_s,
+        weight_push_time_s=push_s, canary_time_s=canary_s,
     )  # fmt: skip
     mismatch = logprob_mismatch(trainer_pi_old, batch.sampler_logprobs, batch.loss_mask)
     by_age = mismatch_by_staleness(
         trainer_pi_old, batch.sampler_logprobs, batch.loss_mask, step - versions
     )
+    causes = None
+    if view is not None:
+        causes = mismatch_causes(view, batch.sampler_logprobs, trainer_pi_old, own,
+                                 view.sampling, compute_dtype(config)).measured()  # fmt: skip
     metrics = step_metrics(
         step, records, advantages.tolist(), rollout, update, mismatch, times,
         staleness(rollout, step), None if canary is None else canary.mean, by_age, stale_masked,
+        causes,
     )  # fmt: skip
     return metrics, records
+
+
+def _engine_view(
+    config: TrainConfig,
+    trainer: Trainer,
+    batch: PackedBatch,
+    own: torch.Tensor,
+    temperature: float,
+    step: int,
+) -> EngineView | None:
+    """The engine's view of the tokens these weights sampled, on the steps that split the
+    sampler/trainer gap by cause (`rollout.mismatch_causes_every`; rank 0, which samples)."""
+    every = config.rollout.mismatch_causes_every
+    if every == 0 or step % every != 0 or trainer.sampler is None:
+        return None
+    sampling = causes_sampling(config.rollout.sampling, temperature)
+    return engine_view(trainer.sampler, batch, own, sampling, engine_dtype(config))
 
 
 class PhaseClock:

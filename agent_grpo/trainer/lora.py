@@ -5,8 +5,9 @@ Where we depart from common practice:
 - With a warm start, the warm start trains the adapter too, so pi_ref (the adapter disabled) is
   the base model, not the warm-started policy GRPO starts from (as it is in full fine-tuning).
   No second copy of the weights exists either way; TRL does the same with `disable_adapter()`.
-- The vLLM engine receives merged weights after each step (a merged copy, `merged_copy`), not
-  vLLM's LoRA support: the CPU build we test on does not run LoRA adapters.
+- The trainer's own vLLM engine receives merged weights after each step (a merged copy,
+  `merged_copy`). Ray rollout workers receive the adapter alone and run it with peft (`hf`) or
+  vLLM's LoRA support (`vllm`; agent_grpo/rollout/adapters.py).
 - One process only for now: DDP/FSDP2 over a PeftModel are not built (refused at config time).
 """
 
@@ -18,19 +19,16 @@ from pathlib import Path
 import torch
 
 from agent_grpo.config.jobs import LoraSettings
+from agent_grpo.rollout.adapters import lora_config
 
 __all__ = ["is_adapter_dir", "load_adapter", "merged_copy", "wrap_lora"]
 
 
 def wrap_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
     """`model` with a fresh adapter (B = 0: the wrapped model computes what `model` does)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    config = LoraConfig(
-        r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-        target_modules=list(settings.target_modules), task_type="CAUSAL_LM",
-    )  # fmt: skip
-    return get_peft_model(model, config)
+    return get_peft_model(model, lora_config(settings))  # the config Ray workers build too
 
 
 def is_adapter_dir(path: str | Path) -> bool:

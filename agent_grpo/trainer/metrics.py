@@ -304,6 +304,29 @@ class UpdateMetrics(BaseModel):
         )
 
 
+class StepTimes(BaseModel):
+    """Seconds of each phase of one step, as the loop measured them."""
+
+    step_time_s: float
+    """Wall time of the whole step."""
+    rollout_wait_time_s: float
+    """Seconds the trainer waited for this step's rollouts (with asynchronous workers, what
+    sampling ahead did not hide; synchronous, the whole rollout)."""
+    old_logprobs_time_s: float = 0.0
+    """Seconds of the pi_old forward pass before the update (0 with `algo.single_pass`)."""
+    reference_time_s: float = 0.0
+    """Seconds of the pi_ref forward pass (0 without a reference)."""
+    mismatch_causes_time_s: float = 0.0
+    """Seconds of the pass that splits the sampler/trainer gap by cause (0 when it did not
+    run, `rollout.mismatch_causes_every`)."""
+    update_time_s: float = 0.0
+    """Seconds of the optimizer steps (forward, backward, optimizer)."""
+    weight_push_time_s: float = 0.0
+    """Seconds to give the engines the new weights (the canary's check not included)."""
+    canary_time_s: float = 0.0
+    """Seconds of the weight canary's check after the push (0 when it did not run)."""
+
+
 class StepMetrics(BaseModel):
     """One row of `metrics.jsonl`: everything measured in one training step.
 
@@ -332,21 +355,8 @@ class StepMetrics(BaseModel):
     """Env steps that raised or hung and were retried on a fresh env instance."""
     env_failures: int
     """Env steps that failed again on the retry (those episodes are excluded as errors)."""
-    step_time_s: float
-    """Wall time of the whole step."""
-    rollout_wait_time_s: float
-    """Seconds the trainer waited for this step's rollouts (with asynchronous workers, what
-    sampling ahead did not hide; synchronous, the whole rollout)."""
-    old_logprobs_time_s: float = 0.0
-    """Seconds of the pi_old forward pass before the update (0 with `algo.single_pass`)."""
-    reference_time_s: float = 0.0
-    """Seconds of the pi_ref forward pass (0 without a reference)."""
-    update_time_s: float = 0.0
-    """Seconds of the optimizer steps (forward, backward, optimizer)."""
-    weight_push_time_s: float = 0.0
-    """Seconds to give the engines the new weights (the canary's check not included)."""
-    canary_time_s: float = 0.0
-    """Seconds of the weight canary's check after the push (0 when it did not run)."""
+    times: StepTimes
+    """Seconds of each phase of the step (written flat: `step_time_s`, `update_time_s`, ...)."""
     canary_gap: float | None = None
     """The worst engine's mean |engine - trainer| logprob over the canary's model tokens after
     the push (`rollout.canary`); None when it did not run."""
@@ -360,6 +370,10 @@ class StepMetrics(BaseModel):
     """{k: mean |trainer - sampler| logprob over the model tokens of records k versions behind}
     (`mismatch_by_staleness`): at 0 the kernels' and dtypes' share of the gap, above it
     staleness's too; written as `mismatch_staleness/<k>`."""
+    mismatch_causes: dict[str, float] = {}
+    """{cause: mean |trainer - sampler|} over the tokens the trainer's own weights sampled, by
+    cause (filter, dtype, kernels; `trainer/mismatch.py`), on the steps that measure it
+    (`rollout.mismatch_causes_every`); written as `mismatch_cause/<name>`."""
     stale_dropped: int
     """Records dropped for being more than `algo.max_staleness` versions old."""
     stale_masked_tokens: int = 0
@@ -383,6 +397,8 @@ class StepMetrics(BaseModel):
                 out.update({f"staleness/{k}": v for k, v in value.items()})
             elif name == "mismatch_by_staleness":
                 out.update({f"mismatch_staleness/{k}": v for k, v in value.items()})
+            elif name == "mismatch_causes":
+                out.update({f"mismatch_cause/{k}": v for k, v in value.items()})
             else:
                 out[name] = value
         return out
@@ -398,26 +414,6 @@ def reward_means(records: Sequence[TrajectoryRecord]) -> dict[str, float]:
     }
 
 
-@dataclass
-class StepTimes:
-    """Seconds of each phase of one step, as the loop measured them."""
-
-    rollout_wait: float
-    """Waiting for the step's rollouts (what sampling ahead did not hide)."""
-    old_logprobs: float
-    """The trainer's pi_old pass before the update."""
-    reference: float
-    """The pi_ref pass."""
-    update: float
-    """The optimizer steps."""
-    weight_push: float
-    """Giving the engines the new weights."""
-    canary: float
-    """Checking with the canary that they arrived (0 when it did not run)."""
-    step: float
-    """The whole step."""
-
-
 def step_metrics(
     step: int,
     records: Sequence[TrajectoryRecord],
@@ -430,6 +426,7 @@ def step_metrics(
     canary_gap: float | None = None,
     mismatch_ages: dict[int, float] | None = None,
     stale_masked_tokens: int = 0,
+    mismatch_causes: dict[str, float] | None = None,
 ) -> StepMetrics:
     """The step's `metrics.jsonl` row from what the step produced."""
     return StepMetrics(
@@ -444,17 +441,12 @@ def step_metrics(
         tool_errors=rollout.metrics.tool_errors,
         env_retries=rollout.metrics.env_retries,
         env_failures=rollout.metrics.env_failures,
-        step_time_s=times.step,
-        rollout_wait_time_s=times.rollout_wait,
-        old_logprobs_time_s=times.old_logprobs,
-        reference_time_s=times.reference,
-        update_time_s=times.update,
-        weight_push_time_s=times.weight_push,
-        canary_time_s=times.canary,
+        times=times,
         canary_gap=canary_gap,
         reward_means=reward_means(records),
         staleness=staleness,
         mismatch_by_staleness=mismatch_ages or {},
+        mismatch_causes=mismatch_causes or {},
         stale_dropped=rollout.metrics.stale_dropped,
         stale_masked_tokens=stale_masked_tokens,
         in_flight_groups=rollout.metrics.in_flight_groups,

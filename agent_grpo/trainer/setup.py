@@ -26,6 +26,7 @@ from agent_grpo.logs import get_logger
 from agent_grpo.models.loading import load_model, load_tokenizer, resolve_model_path
 from agent_grpo.rollout.backends.base import GenerationBackend
 from agent_grpo.rollout.backends.factory import build_backend, rollout_limits
+from agent_grpo.rollout.config import VLLMBackendConfig
 from agent_grpo.rollout.sources import build_rollouts
 from agent_grpo.run_dir.writer import RunWriter
 from agent_grpo.trainer.backward_steps import BackwardSteps
@@ -52,6 +53,7 @@ from agent_grpo.trainer.warm_start import warm_start
 __all__ = [
     "RunStart",
     "compute_dtype",
+    "engine_dtype",
     "load_policy",
     "make_reference",
     "model_source",
@@ -188,6 +190,14 @@ def resolve_max_tokens(config: TrainConfig) -> int:
 def compute_dtype(config: TrainConfig) -> torch.dtype:
     """`model.dtype` as a torch dtype: what forward passes compute in (parameters stay fp32)."""
     return torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
+
+
+def engine_dtype(config: TrainConfig) -> torch.dtype:
+    """The dtype the rollout engine samples in: a vLLM engine's own, else `compute_dtype`."""
+    backend = config.rollout.backend
+    if isinstance(backend, VLLMBackendConfig):
+        return torch.bfloat16 if backend.dtype == "bfloat16" else torch.float32
+    return compute_dtype(config)
 
 
 def reference_dtype(config: TrainConfig) -> torch.dtype:

@@ -36,7 +36,7 @@ def record_step(
     log.info("step %d: reward %.3f success %.3f kl %.4f clip %.3f tok/s %.0f (%.0fs)%s",
              metrics.step, metrics.rollout.reward_mean, metrics.rollout.success_rate,
              u.kl_ref or 0.0, u.clip_frac, metrics.rollout_tokens_per_s,
-             metrics.step_time_s, "".join(f" [{f}]" for f in flags))  # fmt: skip
+             metrics.times.step_time_s, "".join(f" [{f}]" for f in flags))  # fmt: skip
 
 
 def step_flags(metrics: StepMetrics) -> list[str]:

@@ -62,6 +62,8 @@ def grouped_name(key: str) -> str:
         return "rollout/" + key
     if key.startswith("mismatch_staleness/"):
         return "mismatch/staleness/" + key.removeprefix("mismatch_staleness/")
+    if key.startswith("mismatch_cause/"):
+        return "mismatch/cause/" + key.removeprefix("mismatch_cause/")
     if key in _ROLLOUT:
         return ("reward/" if "reward" in key else "rollout/") + key
     if key in _SIGNAL:

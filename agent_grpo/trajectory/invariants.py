@@ -18,15 +18,23 @@ from collections.abc import Sequence
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.trajectory.record import Provenance, TokenRow, TrajectoryRecord
+from agent_grpo.trajectory.segments import first_difference
 from agent_grpo.trajectory.tokens import (
-    _first_difference,
+    Piece,
     count_lengths,
     render_branch,
+    special_ids,
     turn_end_ids,
     turn_text,
 )
 
-__all__ = ["TrajectoryInvariantError", "check_branch_renders", "check_invariants"]
+__all__ = [
+    "TrajectoryInvariantError",
+    "branch_pieces",
+    "check_branch_renders",
+    "check_invariants",
+    "forged_control_ids",
+]
 
 
 class TrajectoryInvariantError(ValueError):
@@ -124,7 +132,7 @@ def _check_forks(record: TrajectoryRecord, rows: Sequence[TokenRow]) -> None:
                 record.uid, None, f"fork_at {fork.fork_at} is out of range", k
             )
         if fork.token_ids[: fork.fork_at] != parent[: fork.fork_at]:
-            at = _first_difference(fork.token_ids, parent)
+            at = first_difference(fork.token_ids, parent)
             raise TrajectoryInvariantError(
                 record.uid,
                 at,
@@ -197,7 +205,7 @@ def _check_contexts(
         if list(context) != expected:
             raise TrajectoryInvariantError(
                 record.uid,
-                _first_difference(context, expected),
+                first_difference(context, expected),
                 f"turn {k} context ({len(context)} ids) is not token_ids[:{turn.token_start}]",
                 turn.branch,
             )
@@ -214,9 +222,11 @@ def _check_lengths(record: TrajectoryRecord, rows: Sequence[TokenRow]) -> None:
             )
 
 
-def check_branch_renders(record: TrajectoryRecord, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Raise TrajectoryInvariantError unless every branch's ids and provenance equal the
-    from-scratch rendering of its own conversation (`tokens.render_branch`)."""
+def branch_pieces(
+    record: TrajectoryRecord, tokenizer: PreTrainedTokenizerBase
+) -> list[list[Piece]]:
+    """Every branch's own conversation rendered from scratch (`tokens.render_branch`), as pieces,
+    in branch order."""
     rows = record.rows()
     sampled = [rows[t.branch].token_ids[t.token_start : t.token_end] for t in record.turns]
     root = record.messages[: record.root_messages_count or len(record.messages)]
@@ -227,22 +237,29 @@ def check_branch_renders(record: TrajectoryRecord, tokenizer: PreTrainedTokenize
     ]
     conversations = [(root, root_turns)] + [(f.messages, f.message_turns) for f in record.forks]
     turn_end = turn_end_ids(tokenizer).id
-    for row, (messages, message_turns) in zip(rows, conversations, strict=True):
-        trained = {t.index for t in record.turns if t.branch == row.branch}
-        pieces = render_branch(
+    return [
+        render_branch(
             tokenizer,
             messages,
             message_turns,
             sampled,
-            trained,
+            {t.index for t in record.turns if t.branch == row.branch},
             prompt_messages_count=record.prompt_messages_count,
             turn_end=turn_end,
         )
+        for row, (messages, message_turns) in zip(rows, conversations, strict=True)
+    ]
+
+
+def check_branch_renders(record: TrajectoryRecord, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Raise TrajectoryInvariantError unless every branch's ids and provenance equal the
+    from-scratch rendering of its own conversation (`tokens.render_branch`)."""
+    for row, pieces in zip(record.rows(), branch_pieces(record, tokenizer), strict=True):
         ids = [i for p in pieces for i in p.ids]
         provenance = [p.provenance for p in pieces for _ in p.ids]
         if ids != row.token_ids or provenance != row.provenance:
             at = min(
-                _first_difference(ids, row.token_ids), _first_difference(provenance, row.provenance)
+                first_difference(ids, row.token_ids), first_difference(provenance, row.provenance)
             )
             raise TrajectoryInvariantError(
                 record.uid,
@@ -250,3 +267,17 @@ def check_branch_renders(record: TrajectoryRecord, tokenizer: PreTrainedTokenize
                 "differs from the from-scratch rendering of its conversation",
                 row.branch,
             )
+
+
+def forged_control_ids(record: TrajectoryRecord, tokenizer: PreTrainedTokenizerBase) -> int:
+    """Special-token ids inside content over every branch: prompt and observation content, and
+    what a template rendered of a rewritten turn (its text, a structured turn's fields). Must
+    be 0: only template text and sampled ids may hold a control token."""
+    special = special_ids(tokenizer)
+    return sum(
+        sum(i in special for i in piece.ids)
+        for pieces in branch_pieces(record, tokenizer)
+        for piece in pieces
+        if piece.message is not None
+        and (piece.provenance in (Provenance.PROMPT, Provenance.OBSERVATION) or piece.rewritten)
+    )

@@ -2,9 +2,9 @@
 
 Canonical tokenization of a conversation
 ----------------------------------------
-The chat template renders a conversation to text. We render it a second time with each message's
-content replaced by a unique slot marker; splitting that text at the markers cuts the rendering
-into segments, in order:
+The chat template renders a conversation to text, which `segments.py` cuts at each message's
+content (rendering it again with every content replaced by a slot marker) into segments, in
+order:
 
 - template segments: the text between two contents (end of turn, role headers, a default system
   prompt, the generation prompt). Tokenized with special tokens recognized: `<|im_end|>` is one id.
@@ -31,12 +31,17 @@ a prefix of the final sequence) and forgery-proof. For ordinary content both agr
 Templates that rewrite history
 ------------------------------
 A Qwen3-style template renders an earlier assistant turn otherwise than it was sampled (it drops
-the reasoning, or normalises it). `segment_conversation(rewrites=True)` finds such a turn's
-rendered text between the template text around its slot; `render_branch` tokenizes it as plain
-text with `context` provenance (it is context now, never trained: the turn was trained where it
-was sampled), while turns rendered verbatim keep their sampled ids. Tool and user content must
-still be rendered verbatim, so a rewrite can never forge a control token. How an episode forks
-into branches when its next context is no extension of the last is in `tree.py`.
+the reasoning, or normalises it); a gpt-oss or DeepSeek V3 template renders a turn from the
+structured fields its tool format reads from it (`structured.py`), which may or may not give back
+the sampled text. `segment_conversation(rewrites=True)` finds what the template rendered for such
+a turn; `render_branch` tokenizes it as plain text with `context` provenance (it is context now,
+never trained: the turn was trained where it was sampled), with the template's own markup between
+a structured turn's fields as template text, while turns rendered verbatim keep their sampled
+ids. A turn whose sampled ids end with the turn end, where the template closes it otherwise
+(gpt-oss samples `<|return|>` and writes `<|end|>` in the history), is rendered as the template
+writes it too. Tool and user content must still be rendered verbatim (or as `tojson` writes it),
+so a rewrite can never forge a control token. How an episode forks into branches when its next
+context is no extension of the last is in `tree.py`.
 
 `agent_grpo.trajectory.tree.TokenBuilder` builds an episode turn by turn; `render_branch` of a
 branch's own conversation, from scratch, must give that branch's ids (checked in tests and by
@@ -46,14 +51,17 @@ branch's own conversation, from scratch, must give that branch's ids (checked in
 
 from __future__ import annotations
 
-import itertools
-import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.trajectory.record import Lengths, Message, Provenance, valid_text
+from agent_grpo.trajectory.segments import (
+    ChatTemplateError,
+    Segment,
+    segment_conversation,
+)
 
 __all__ = [
     "ChatTemplateError",
@@ -65,33 +73,10 @@ __all__ = [
     "encode_template",
     "render_branch",
     "segment_conversation",
+    "special_ids",
     "turn_end_ids",
     "turn_text",
 ]
-
-_SLOT_END = "\ue001"
-_SNIPPET = 30
-
-
-def _snippet(text: str, position: int) -> str:
-    return text[max(0, position - _SNIPPET) : position + _SNIPPET]
-
-
-class ChatTemplateError(ValueError):
-    """The chat template renders content in a way the provenance builder cannot segment."""
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One piece of a rendered conversation: template text, or one message's content."""
-
-    text: str
-    """The rendered text of this piece."""
-    message: int | None
-    """Index of the message whose content this is; None for template text."""
-    rewritten: bool = False
-    """True for an assistant message the template rendered otherwise than its content (then
-    `text` is what it rendered)."""
 
 
 def encode_template(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -102,208 +87,6 @@ def encode_template(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 def encode_plain(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Tokenize content as plain text: special-token text becomes ordinary tokens."""
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-
-
-def _render(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], generation_prompt: bool
-) -> str:
-    try:
-        text = tokenizer.apply_chat_template(
-            [m.to_template() for m in messages],
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-        )
-    except Exception as error:  # jinja raises anything from TemplateError to TypeError
-        name = getattr(tokenizer, "name_or_path", "?")
-        raise ChatTemplateError(
-            f"the chat template of {name!r} fails to render {len(messages)} messages "
-            f"({', '.join(m.role for m in messages)}): {type(error).__name__}: {error}"
-        ) from error
-    if not isinstance(text, str):
-        raise ChatTemplateError(f"the chat template rendered {type(text).__name__}, not text")
-    return text
-
-
-def _first_difference(a: Sequence[object], b: Sequence[object]) -> int:
-    return next(
-        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-    )
-
-
-def _slot_marker(messages: Sequence[Message]) -> str:
-    # Grown until no content contains it, so a marker can only come from our own substitution.
-    marker = "\ue000slot"
-    while any(marker in m.content for m in messages):
-        marker += "\ue000"
-    return marker
-
-
-def _split_slots(text: str, marker: str) -> list[str]:
-    """`text` cut at slot markers: [between, index, between, index, ..., between]."""
-    return re.split(re.escape(marker) + r"(\d+)" + _SLOT_END, text)
-
-
-def _slotted(messages: Sequence[Message], marker: str, which: Sequence[int]) -> list[Message]:
-    keep = set(which)
-    return [
-        m.model_copy(update={"content": f"{marker}{i}{_SLOT_END}"}) if i in keep else m
-        for i, m in enumerate(messages)
-    ]
-
-
-def segment_conversation(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Message],
-    *,
-    generation_prompt: bool,
-    template: str = "",
-    rewrites: bool = False,
-) -> list[Segment]:
-    """Cut the rendered conversation into template and content segments (see module docstring).
-
-    With `rewrites`, an assistant message the template renders differently from its content (a
-    Qwen3-style template dropping old reasoning) is a segment of its rendered text, marked
-    `rewritten`; every other message's content must still be rendered verbatim.
-    """
-    marker = _slot_marker(messages)
-    everyone = range(len(messages))
-    pieces = _split_slots(
-        _render(tokenizer, _slotted(messages, marker, everyone), generation_prompt), marker
-    )
-    order = [int(p) for p in pieces[1::2]]
-    real = _render(tokenizer, messages, generation_prompt)
-    if order == list(everyone):
-        segments: list[Segment] = []
-        for i, between in enumerate(pieces[0::2]):
-            if between:
-                segments.append(Segment(between, None))
-            if i < len(messages):
-                segments.append(Segment(messages[i].content, i))
-        rebuilt = "".join(s.text for s in segments)
-        if rebuilt == real:
-            return segments
-        if not rewrites:
-            pos = _first_difference(rebuilt, real)
-            raise ChatTemplateError(
-                f"chat template {template!r} does not render content verbatim (it depends on or "
-                f"rewrites the content) at character {pos}: {_snippet(real, pos)!r}"
-            )
-    dropped = set(everyone) - set(order)
-    if (
-        not rewrites
-        or order != sorted(set(order))
-        or any(messages[i].role != "assistant" for i in dropped)
-    ):
-        raise ChatTemplateError(
-            f"chat template {template!r} does not render each message's content exactly once, "
-            f"in order (got message order {pieces[1::2]})"
-        )
-    return _segment_rewritten(tokenizer, messages, generation_prompt, template, pieces, real)
-
-
-def _segment_rewritten(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Message],
-    generation_prompt: bool,
-    template: str,
-    slot_pieces: Sequence[str],
-    real: str,
-) -> list[Segment]:
-    """Segments of a rendering that rewrites (or drops) assistant content.
-
-    Rendered again with only the other messages slotted, the text between two of their slots is
-    template text with the (rewritten) assistant content inside. The all-slotted rendering
-    (`slot_pieces`) says where in it each assistant slot sits: between the same template text.
-    """
-    marker = _slot_marker(messages)
-    others = [i for i, m in enumerate(messages) if m.role != "assistant"]
-    parts = _split_slots(
-        _render(tokenizer, _slotted(messages, marker, others), generation_prompt), marker
-    )
-    rebuilt = "".join(
-        part if k % 2 == 0 else messages[int(part)].content for k, part in enumerate(parts)
-    )
-    if [int(p) for p in parts[1::2]] != others or rebuilt != real:
-        pos = _first_difference(rebuilt, real)
-        raise ChatTemplateError(
-            f"chat template {template!r} does not render non-assistant content verbatim at "
-            f"character {pos}: {_snippet(real, pos)!r}"
-        )
-    regions = _slot_regions(slot_pieces, others, len(messages))
-    segments: list[Segment] = []
-    bounds = [-1, *others, len(messages)]
-    for k, (left, right) in enumerate(itertools.pairwise(bounds)):
-        inside = range(left + 1, right)
-        segments.extend(_locate_assistants(parts[2 * k], messages, inside, regions[k], template))
-        if right < len(messages):
-            segments.append(Segment(messages[right].content, right))
-    return segments
-
-
-def _slot_regions(
-    slot_pieces: Sequence[str], others: Sequence[int], count: int
-) -> list[list[str | int]]:
-    """The all-slotted rendering between consecutive non-assistant slots: template texts and the
-    indices of the assistant slots it holds, in order."""
-    regions: list[list[str | int]] = [[]]
-    for k, piece in enumerate(slot_pieces):
-        if k % 2 == 0:
-            regions[-1].append(piece)
-        elif int(piece) in others:
-            regions.append([])
-        else:
-            regions[-1].append(int(piece))
-    assert len(regions) == len(others) + 1 and count >= len(others)
-    return regions
-
-
-def _locate_assistants(
-    text: str,
-    messages: Sequence[Message],
-    inside: range,
-    region: Sequence[str | int],
-    template: str,
-) -> list[Segment]:
-    """Split `text`, template text holding the assistant messages `inside`, into segments.
-
-    An assistant message the template drops entirely becomes an empty rewritten segment at the
-    start of the region (where exactly its text went is not knowable, and nothing of it is left).
-    """
-    shown = [item for item in region if isinstance(item, int)]
-    out = [Segment("", i, rewritten=True) for i in inside if i not in shown]
-    verbatim = "".join(item if isinstance(item, str) else messages[item].content for item in region)
-    if text == verbatim:
-        for item in region:
-            out.append(
-                Segment(item, None)
-                if isinstance(item, str)
-                else Segment(messages[item].content, item)
-            )
-        return [seg for seg in out if seg.text or seg.message is not None]
-    if len(shown) != 1:
-        raise ChatTemplateError(
-            f"chat template {template!r} rewrites assistant messages {list(inside)} in a way "
-            "that cannot be located in its rendering"
-        )
-    cut = region.index(shown[0])
-    before = "".join(str(item) for item in region[:cut])
-    after = "".join(str(item) for item in region[cut + 1 :])
-    if (
-        not text.startswith(before)
-        or not text.endswith(after)
-        or len(before) + len(after) > len(text)
-    ):
-        raise ChatTemplateError(
-            f"chat template {template!r} rewrites assistant message {shown[0]} in a way that "
-            "cannot be located in its rendering"
-        )
-    body = text[len(before) : len(text) - len(after)]
-    out += [
-        Segment(before, None),
-        Segment(body, shown[0], rewritten=body != messages[shown[0]].content),
-        Segment(after, None),
-    ]
-    return [seg for seg in out if seg.text or seg.message is not None]
 
 
 @dataclass(frozen=True)
@@ -324,7 +107,8 @@ class TurnEnd:
 _PROBE = (Message(role="user", content="hi"), Message(role="assistant", content="ok"))
 
 
-def _special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The ids of the tokenizer's special tokens, added ones included."""
     added = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
     return added | set(tokenizer.all_special_ids)
 
@@ -350,7 +134,7 @@ def turn_end_ids(tokenizer: PreTrainedTokenizerBase) -> TurnEnd:
     """
     closing = _closing_id(tokenizer)
     eos = tokenizer.eos_token_id
-    if closing is not None and closing in _special_ids(tokenizer):
+    if closing is not None and closing in special_ids(tokenizer):
         end = closing
     elif isinstance(eos, int):
         end = eos
@@ -385,6 +169,22 @@ def _drop_turn_end(ids: list[int], turn_end: int, template: str) -> list[int]:
     return ids[1:]
 
 
+def _fits(
+    tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], turn_end: int, rest: Sequence[Segment]
+) -> bool:
+    """Whether a turn's sampled ids can stand where the template renders it: they do not end
+    with the turn end, or the template text after them starts with it (dropped there, not
+    repeated). gpt-oss samples `<|return|>` and closes the same turn with `<|end|>` in history."""
+    if list(ids[-1:]) != [turn_end]:
+        return True
+    after = rest[0] if rest else None
+    return (
+        after is not None
+        and after.message is None
+        and encode_template(tokenizer, after.text)[:1] == [turn_end]
+    )
+
+
 @dataclass(frozen=True)
 class Piece:
     """A run of ids of one provenance in a rendered branch: one segment, tokenized."""
@@ -414,11 +214,13 @@ def render_branch(
 
     `message_turns[i]` names the turn whose sampled ids (`sampled[turn]`) message i holds, or None.
     A turn the template renders verbatim keeps its sampled ids: `model` when it is in `trained`
-    (this branch trains it), else `context`; a turn the template rewrites is its rendered text as
-    plain text, `context`. Prompt content is `prompt`, other content `observation`, template text
-    `prompt` before the first turn and `template` after. Ending on a non-assistant message, the
-    rendering ends with the generation prompt; ending on a turn, it is the rendering of the
-    conversation before that turn (the context it was sampled in) followed by its sampled ids.
+    (this branch trains it), else `context`; a turn the template rewrites (or closes otherwise
+    than it ended) is its rendered text as plain text, `context`, with the template's markup
+    between a structured turn's fields as template text. Prompt content is `prompt`, other
+    content `observation`, template text `prompt` before the first turn and `template` after.
+    Ending on a non-assistant message, the rendering ends with the generation prompt; ending on a
+    turn, it is the rendering of the conversation before that turn (the context it was sampled
+    in) followed by its sampled ids.
     """
     ends_on_turn = len(messages) > prompt_messages_count and messages[-1].role == "assistant"
     if ends_on_turn:  # the context that turn was sampled in, then its sampled ids
@@ -442,30 +244,38 @@ def render_branch(
     )
     pieces: list[Piece] = []
     seen_turn, drop = False, False
-    for seg in segments:
+    work = list(segments)
+    while work:
+        seg = work.pop(0)
         i = seg.message
         if i is None:
             ids = encode_template(tokenizer, seg.text)
-            ids = _drop_turn_end(ids, turn_end, template) if drop else ids
             kind = Provenance.TEMPLATE if seen_turn else Provenance.PROMPT
-            pieces.append(Piece(ids, kind, None))
+            pieces.append(Piece(ids[1:] if drop else ids, kind, None))  # `_fits` saw the end
             drop = False
-            continue
-        if drop:
-            raise ChatTemplateError(f"chat template {template!r} has no end of turn")
-        if i < prompt_messages_count:
-            pieces.append(Piece(encode_plain(tokenizer, seg.text), Provenance.PROMPT, i))
+        elif i < prompt_messages_count:
+            if seg.parts:  # a structured message of the prompt: its markup and fields
+                work[:0] = seg.parts
+            else:
+                pieces.append(Piece(encode_plain(tokenizer, seg.text), Provenance.PROMPT, i))
         elif messages[i].role == "assistant":
             seen_turn = True
             turn = message_turns[i]
-            if turn is None or seg.rewritten:
-                ids = encode_plain(tokenizer, seg.text)
-                pieces.append(Piece(ids, Provenance.CONTEXT, i, rewritten=seg.rewritten))
-            else:
+            if (
+                turn is not None
+                and not seg.rewritten
+                and _fits(tokenizer, sampled[turn], turn_end, work)
+            ):
                 ids = list(sampled[turn])
                 kind = Provenance.MODEL if turn in trained else Provenance.CONTEXT
                 pieces.append(Piece(ids, kind, i))
                 drop = ids[-1:] == [turn_end]
+            elif seg.parts:  # the template's text of the turn: its markup and its fields
+                work[:0] = seg.parts
+            else:
+                ids = encode_plain(tokenizer, seg.text)
+                rewritten = seg.rewritten or turn is not None
+                pieces.append(Piece(ids, Provenance.CONTEXT, i, rewritten=rewritten))
         else:
             pieces.append(Piece(encode_plain(tokenizer, seg.text), Provenance.OBSERVATION, i))
     return pieces

@@ -4,7 +4,8 @@ changes.
 Most chat templates only append: the context of turn k+1 is the context of turn k, its sampled
 ids, and the tokens of what came back. Then the episode is one row, as before. When the next
 context is not an extension of the tokens held (a Qwen3-style template rewrites an earlier turn's
-reasoning, a context policy drops or compacts old observations), a new branch starts: the
+reasoning, a gpt-oss template renders a call from its `tool_calls` otherwise than it was sampled,
+a context policy drops or compacts old observations), a new branch starts: the
 from-scratch rendering of the new conversation (`tokens.render_branch`), sharing its longest
 common prefix with the branch it leaves (`fork_at`). Each branch is one training row.
 
@@ -35,10 +36,10 @@ from agent_grpo.trajectory.record import (
     TrajectoryRecord,
     TurnRecord,
 )
+from agent_grpo.trajectory.segments import first_difference
 from agent_grpo.trajectory.tokens import (
     ChatTemplateError,
     Piece,
-    _first_difference,
     count_lengths,
     render_branch,
     turn_end_ids,
@@ -264,7 +265,7 @@ class TokenBuilder:
         pieces = self._render(messages, turns, set())
         fork = _Branch(self._branches.index(parent), 0, "", messages, turns)
         fork.extend(pieces)
-        fork.fork_at = _first_difference(parent.ids, fork.ids)
+        fork.fork_at = first_difference(parent.ids, fork.ids)
         fork.reason = reason or _why(pieces, fork.fork_at, why_messages, messages, turns)
         self._branches.append(fork)
 

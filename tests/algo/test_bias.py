@@ -31,7 +31,7 @@ from agent_grpo.testing.bias_meter import (
 TASK = build_task()
 LOGITS = initial_logits(TASK)
 SUM_NORM = "seq-mean-token-sum-norm"
-pytestmark = pytest.mark.slow  # about 40 s in all: out of `make test-fast`
+pytestmark = pytest.mark.slow  # many sampled batches: out of `make test-fast`
 Z = 4.0
 """Standard errors a bound allows: 4 leaves a chance below 1e-4 for one scalar."""
 

@@ -54,6 +54,25 @@ def test_the_bench_own_work_and_its_reaped_children_are_not_foreign() -> None:
     assert window.loadavg_before and window.loadavg_after
 
 
+def test_a_running_descendant_is_the_bench_s_own_when_the_window_counts_the_tree() -> None:
+    # a helper that outlives the window (as Ray's raylet and actors do): foreign by default,
+    # the bench's own with `own_cpu` counting the process tree
+    from load import process_tree_cpu_s
+
+    helper = subprocess.Popen(BURN)
+    try:
+        time.sleep(0.3)
+        with LoadWindow() as plain:
+            time.sleep(1.5)
+        with LoadWindow(own_cpu=lambda: process_tree_cpu_s(os.getpid())) as tree:
+            time.sleep(1.5)
+    finally:
+        helper.kill()
+        helper.wait()
+    assert plain.foreign_cores > 0.5  # the helper's core
+    assert tree.foreign_cores < plain.foreign_cores - 0.45
+
+
 def _busy_train_result() -> dict[str, object]:
     machine = {"cpu_model": "AMD EPYC", "cpu_count": 2, "usable_cores": 2, "memory_gb": 23.5,
                "torch_threads": 2, "torch": "2.13.0+cpu", "transformers": "5.19.0",

@@ -64,6 +64,9 @@ def test_training_on_a_remote_server_is_refused(tmp_path: Path) -> None:
         load_config(TrainConfig, path)
 
 
+VLLM_WORKERS = ["rollout.workers={type: ray}", "rollout.backend={type: vllm}"]
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -77,6 +80,16 @@ def test_training_on_a_remote_server_is_refused(tmp_path: Path) -> None:
         (["algo.minibatches=5"], "some minibatches"),
         (["model.device=gpu"], "model.device"),
         (["algo.epochs=0"], "algo.epochs"),
+        (["rollout.workers={type: ray, resources: {CPU: 1}}"], "Ray's own resource 'CPU'"),
+        (["rollout.workers={type: ray, resources: {node: 0}}"], "with a positive amount"),
+        (["rollout.workers={type: ray, weight_sync: nccl}"], "weight_sync"),
+        (
+            ["rollout.partial={}", "rollout.tasks_per_step=1",
+             "rollout.workers={type: ray, num_workers: 2}"],
+            "needs at least as many rollout.tasks_per_step",
+        ),  # fmt: skip
+        ([*VLLM_WORKERS, "model.lora={}", "rollout.canary={}"], "cannot score the canary"),
+        ([*VLLM_WORKERS, "model.lora={r: 600}"], "takes ranks up to 512"),
         (
             ["model.tool_format=qwen"],
             "model.tool_format: unknown tool-call format 'qwen'; known "
@@ -87,6 +100,12 @@ def test_training_on_a_remote_server_is_refused(tmp_path: Path) -> None:
 def test_meaningless_settings_are_refused_before_any_model_work(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(TrainConfig, TINY, overrides)
+
+
+def test_lora_on_ray_workers_with_placement_and_broadcast_loads() -> None:
+    workers = "rollout.workers={type: ray, resources: {rollout_node: 1}, weight_sync: broadcast}"
+    config = load_config(TrainConfig, TINY, [workers, "model.lora={}", "rollout.canary={}"])
+    assert config.rollout.workers.resources == {"rollout_node": 1.0}  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -103,3 +122,25 @@ def test_a_turn_that_fills_the_context_is_refused(override: str) -> None:
 def test_an_eval_turn_that_fills_the_context_is_refused() -> None:
     with pytest.raises(ValueError, match=r"eval.max_tokens=512 is not less than max_context"):
         EvalRunConfig.model_validate({"max_context_tokens": 512, "eval": {"max_tokens": 512}})
+
+
+@pytest.mark.parametrize(
+    ("cls", "env_id", "anchored"),
+    [
+        (TrainConfig, "agent_grpo/Dataset-v0", True),
+        (EvalRunConfig, "agent_grpo/Dataset-v0", True),
+        (TrainConfig, "agent_grpo/Calculator-v0", False),  # declares no file_kwargs
+        (TrainConfig, "no_such_module:Env", False),  # preflight names it; loading does not fail
+    ],
+)
+def test_only_the_file_names_an_env_declares_are_read_beside_the_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cls: type, env_id: str, anchored: bool
+) -> None:
+    (tmp_path / "project" / "data").mkdir(parents=True)
+    (tmp_path / "project" / "data" / "rows.jsonl").write_text("{}\n")
+    path = tmp_path / "project" / "job.yaml"
+    path.write_text(f"env:\n  id: {env_id}\n  kwargs:\n    data_files: data/rows.jsonl\n")
+    monkeypatch.chdir(tmp_path)
+    config = load_config(cls, path)
+    full = str((tmp_path / "project" / "data" / "rows.jsonl").resolve())
+    assert config.env.kwargs["data_files"] == (full if anchored else "data/rows.jsonl")

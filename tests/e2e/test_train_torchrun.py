@@ -32,6 +32,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import agent_grpo
 from agent_grpo.config.base import ConfigError
 from agent_grpo.config.jobs import DistributedConfig, TrainConfig
 from agent_grpo.testing.cli_runs import RULE, RULE_REWARD, deterministic, metrics
@@ -39,6 +40,7 @@ from agent_grpo.testing.torchrun import run_torchrun
 from agent_grpo.trainer.setup import start_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_ROOT = Path(agent_grpo.__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs/calculator-tiny.yaml")
 SETTINGS = [
     "rollout.tasks_per_step=3",
@@ -58,7 +60,9 @@ def train(root: Path, model_dir: Path, name: str, *args: str, mode: str = "none"
     """`agent-grpo train` with the test settings: one process for mode none, else 2 ranks."""
     (root / "e2e_rules.py").write_text(RULE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as users run it
-    env |= {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    # the rules beside the runs, and the agent_grpo under test (for Ray's workers too)
+    path = os.pathsep.join([str(root), str(PACKAGE_ROOT)])
+    env |= {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     command = ["-m", "agent_grpo.cli", "train", CONFIG, f"model.name_or_path={model_dir}"]
     command += [f"run.root={root}", f"run.name={name}", f"distributed.mode={mode}", *SETTINGS]
     command += list(args)
@@ -145,6 +149,29 @@ def test_torchrun_takes_the_one_process_steps(
         assert max_rel_diff(first, {"m": state["exp_avg"]}) < LATER_REL
     base = load_file(tiny_model_dir / "model.safetensors")
     assert max_diff(want_weights, base) > 1e-3  # training moved the weights
+
+
+@pytest.fixture(scope="module")
+def ray_runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict[str, Path]:
+    """The job with 2 Ray rollout workers (a local Ray instance that rank 0 starts and drives)
+    in one process and under DDP."""
+    root = tmp_path_factory.mktemp("ray-runs")
+    workers = "rollout.workers={type: ray, num_workers: 2}"
+    return {mode: train(root, tiny_model_dir, f"ray-{mode}", workers, mode=mode)
+            for mode in ("none", "ddp")}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_ray_workers_under_torchrun_take_the_one_process_steps(ray_runs: dict[str, Path]) -> None:
+    single, ddp = metrics(ray_runs["none"]), metrics(ray_runs["ddp"])
+    assert [r["step"] for r in ddp] == [0, 1, 2]  # rank 0 alone wrote; the final eval is step 2
+    assert_same_metrics(ddp[0], single[0], FIRST_STEP_REL)
+    for got, want in zip(ddp[1:], single[1:], strict=True):
+        assert_same_metrics(got, want, LATER_REL)
+    for step in (0, 1):  # the actors got each step's weights from rank 0 and sampled the same
+        assert sampled(ray_runs["ddp"], step) == sampled(ray_runs["none"], step)
+        lines = (ray_runs["ddp"] / "trajectories" / f"step_{step:06d}.jsonl").read_text()
+        assert {json.loads(x)["policy_version"] for x in lines.splitlines()} == {step}
 
 
 @pytest.mark.slow

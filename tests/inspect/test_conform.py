@@ -1,6 +1,7 @@
 """`agent-grpo conform`: every tokenizer the tests have conforms (SmolLM2, the second embedded
-model when it is fetched, and the history-rewriting test templates); a template or a tool format
-that would train wrongly fails, with the check named."""
+model when it is fetched, the history-rewriting test templates and the ones that render calls
+from structured `tool_calls`); a template or a tool format that would train wrongly fails, with
+the check named."""
 
 from __future__ import annotations
 
@@ -12,8 +13,16 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.inspect.conform import conform
-from agent_grpo.testing.templates import QWEN3_STYLE, TEST_TEMPLATES, with_template
+from agent_grpo.inspect.rewriting_templates import (
+    DEEPSEEK_V3_STYLE,
+    QWEN3_STYLE,
+    TEST_TEMPLATES,
+    FamilyTemplate,
+    with_template,
+)
+from agent_grpo.tools.formats import DeepSeekV3ToolCallFormat, HarmonyToolCallFormat
 from agent_grpo.tools.formats.hermes import HermesToolCallFormat
+from agent_grpo.trajectory.tokens import ChatTemplateError
 
 
 def _conform_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -33,7 +42,8 @@ def test_every_test_tokenizer_conforms(embedded_model_dir: Path, template: str |
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[-1].endswith(": conforms") and "forged control tokens: 0" in done.stdout
-    assert ("append-only" in done.stdout) == (template is None)
+    history = next(line for line in lines if " history: " in line)
+    assert ("append-only" in history) == (template is None)
 
 
 def test_a_forking_template_conforms_and_says_how_often(tokenizer: PreTrainedTokenizerBase) -> None:
@@ -43,6 +53,45 @@ def test_a_forking_template_conforms_and_says_how_often(tokenizer: PreTrainedTok
     assert report.ok, report.lines()
     history = next(c for c in report.checks if c.name == "history")
     assert history.detail.startswith("forking: ")
+
+
+@pytest.mark.parametrize(
+    ("template", "fmt"),
+    [("harmony-style", HarmonyToolCallFormat()), ("deepseek-v3-style", DeepSeekV3ToolCallFormat())],
+)
+def test_templates_that_render_calls_from_tool_calls_conform(
+    tokenizer: PreTrainedTokenizerBase, template: str, fmt: HarmonyToolCallFormat
+) -> None:
+    tok = with_template(tokenizer, TEST_TEMPLATES[template])
+    report = conform(tok, fmt, model=template, conversations=20)
+    assert report.ok, report.lines()
+    assistant = next(c for c in report.checks if c.name == "assistant messages")
+    assert assistant.detail == (
+        f"structured by the {fmt.name} parser (tool_calls): a call as the model writes it "
+        "renders back as sampled (append-only)"
+    )
+
+
+def test_a_tool_format_the_template_does_not_structure_fails(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    tok = with_template(tokenizer, TEST_TEMPLATES["harmony-style"])
+    report = conform(tok, HermesToolCallFormat(), model="mixed", conversations=5)
+    failed = [c for c in report.checks if not c.ok]
+    assert [c.name for c in failed] == ["assistant messages"]
+    assert "hermes calls would be rendered as text" in failed[0].detail
+
+
+def test_a_template_writing_arguments_its_own_way_cannot_be_used(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    # indented JSON is not what `tojson` writes by default: the arguments cannot be located
+    indented = DEEPSEEK_V3_STYLE.replace("arguments | tojson", "arguments | tojson(indent=2)")
+    tok = with_template(
+        tokenizer, FamilyTemplate(indented, TEST_TEMPLATES["deepseek-v3-style"].special_tokens)
+    )
+    with pytest.raises(ChatTemplateError, match="does not render"):
+        conform(tok, DeepSeekV3ToolCallFormat(), model="indented", conversations=5)
 
 
 class _LossyFormat(HermesToolCallFormat):
@@ -59,7 +108,7 @@ def test_a_format_that_does_not_round_trip_fails(tokenizer: PreTrainedTokenizerB
     assert report.lines()[-1] == "lossy: FAILS 1 checks"
 
 
-@pytest.mark.slow  # a subprocess that imports transformers: about 5 s
+@pytest.mark.slow  # a subprocess that imports transformers
 def test_a_template_that_rewrites_tool_output_cannot_be_used(
     tmp_path: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:

@@ -12,18 +12,15 @@ import torch
 from rich.console import Console
 
 from agent_grpo.envs.registry import make_env
-from agent_grpo.inspect.curves import (
-    logprob_drift,
-    metrics_table,
-    recompute_logprobs,
-    verify_record,
-)
+from agent_grpo.inspect.curves import metrics_table
+from agent_grpo.inspect.drift import logprob_drift, recompute_logprobs
 from agent_grpo.inspect.replay import (
     render_group,
     render_trajectory,
     token_rows,
     top_disagreements,
 )
+from agent_grpo.inspect.verify import verify_record
 from agent_grpo.models.loading import load_model
 from agent_grpo.models.logprobs import reference_token_logprobs
 from agent_grpo.rollout.collector import CollectOptions

@@ -13,16 +13,8 @@ from rich.console import Console
 from agent_grpo.inspect.replay import render_group, render_trajectory
 from agent_grpo.inspect.verify import VerifyReport, print_report
 from agent_grpo.inspect.visible import visible
-from agent_grpo.testing.records import minimal_record
-from agent_grpo.trajectory.record import (
-    Lengths,
-    Message,
-    Provenance,
-    Termination,
-    ToolCallRecord,
-    TrajectoryRecord,
-    TurnRecord,
-)
+from agent_grpo.testing.records import tool_turn_record
+from agent_grpo.trajectory.record import Provenance, Termination, ToolCallRecord, TrajectoryRecord
 
 HOSTILE = {
     "\x1b[2J\x1b[H": "\\x1b[2J\\x1b[H",  # CSI: clear the screen, cursor home
@@ -49,31 +41,16 @@ class PieceTokenizer:
 def hostile_record() -> TrajectoryRecord:
     pieces = len(HOSTILE)
     call = ToolCallRecord(name="fetch\x1b[2J", arguments={"url": "x"}, raw="", result=OUTPUT)
-    return minimal_record(
-        "g\x1b]0;title\x07",
-        reward=1.0,
-        task_id="t",
-        messages=[
-            Message(role="user", content="fetch it"),
-            Message(role="assistant", content="calling\x1b[2J"),
-            Message(role="tool", content=OUTPUT, name="fetch\u202e"),
-        ],
-        prompt_messages_count=1,
-        turns=[
-            TurnRecord(
-                index=0,
-                model_text="calling",
-                token_start=0,
-                token_end=1,
-                finish_reason="stop",
-                tool_calls=[call],
-            )
-        ],
-        token_ids=list(range(pieces)),
+    return tool_turn_record(
+        call,
+        user="fetch it",
+        model="calling\x1b[2J",
+        tool=OUTPUT,
+        tool_name="fetch\u202e",
         provenance=[Provenance.MODEL] + [Provenance.OBSERVATION] * (pieces - 1),
-        sampler_logprobs=[-1.0] + [None] * (pieces - 1),
+        group="g\x1b]0;title\x07",
+        reward=1.0,
         termination=Termination(kind="terminated", reason="done\x1b[2J"),
-        lengths=Lengths(total=pieces, model=1),
         excluded="infrastructure failure: judge said \x1b[31mno",
     )
 

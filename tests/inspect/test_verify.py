@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from agent_grpo.envs.registry import make_env
-from agent_grpo.inspect.curves import verify_record
+from agent_grpo.inspect.verify import verify_record
 from agent_grpo.rollout.collector import CollectOptions
 from agent_grpo.run_dir.writer import RunWriter
 from agent_grpo.testing.backends import ScriptedBackend

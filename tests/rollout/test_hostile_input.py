@@ -27,7 +27,7 @@ from agent_grpo.rollout.collector import CollectOptions, PromptTooLongError, Tas
 from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.run_dir.writer import RunWriter
 from agent_grpo.testing.backends import ScriptedBackend
-from agent_grpo.testing.records import minimal_record
+from agent_grpo.testing.records import builder_record, tool_turn_record
 from agent_grpo.testing.tool_formats import nested
 from agent_grpo.tools.formats import (
     MAX_JSON_DEPTH,
@@ -44,7 +44,6 @@ from agent_grpo.trajectory.record import (
     Termination,
     ToolCallRecord,
     TrajectoryRecord,
-    TurnRecord,
     valid_text,
 )
 from agent_grpo.trajectory.tokens import encode_plain
@@ -79,31 +78,19 @@ def record_with_text(text: str, key: str) -> TrajectoryRecord:
     call_record = ToolCallRecord(
         name=text, arguments={key: [text, {key: text}]}, raw=text, result=text, error=text
     )
-    return minimal_record(
-        "g",
+    return tool_turn_record(
+        call_record,
+        user=text,
+        model=text,
+        tool=text,
+        tool_name=text,
+        provenance=[Provenance.PROMPT, Provenance.MODEL],
         task_id="t:0",
         env_id="t",
-        messages=[
-            Message(role="user", content=text),
-            Message(role="assistant", content=text),
-            Message(role="tool", content=text, name=text),
-        ],
-        prompt_messages_count=1,
         token_ids=[1, 2],
-        provenance=[Provenance.PROMPT, Provenance.MODEL],
         sampler_logprobs=[None, -0.5],
         verifier={key: text, "nested": [{key: text}]},
         reward_components={key: 1.0},
-        turns=[
-            TurnRecord(
-                index=0,
-                model_text=text,
-                token_start=1,
-                token_end=2,
-                finish_reason="stop",
-                tool_calls=[call_record],
-            )
-        ],
         termination=Termination(kind="error", reason=text),
         lengths=Lengths(prompt=1, model=1, total=2, turns=1),
     )
@@ -250,27 +237,7 @@ def test_decoded_model_text_is_repaired_and_the_invariants_hold(tokenizer) -> No
     ids = [*tokenizer.encode("hello", add_special_tokens=False), tokenizer.eos_token_id]
     span = builder.add_model_turn(ids, [-0.1] * len(ids))
     assert span.model_text == "hello\ufffd" == builder.messages[-1].content
-    record = minimal_record(
-        "g",
-        task_id="t:0",
-        env_id="t",
-        messages=builder.messages,
-        prompt_messages_count=1,
-        token_ids=builder.token_ids,
-        provenance=builder.provenance,
-        sampler_logprobs=builder.sampler_logprobs,
-        turns=[
-            TurnRecord(
-                index=0,
-                model_text=span.model_text,
-                token_start=span.start,
-                token_end=span.end,
-                finish_reason="stop",
-            )
-        ],
-        termination=Termination(kind="terminated", reason="final_answer"),
-        lengths=builder.lengths(),
-    )
+    record = builder_record(builder, task_id="t:0", env_id="t")
     check_invariants(record, decoder)  # type: ignore[arg-type]
     assert record.token_ids[span.start : span.end] == ids
     TrajectoryRecord.from_json_line(record.to_json_line())

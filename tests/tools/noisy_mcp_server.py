@@ -1,4 +1,4 @@
-"""A stdio MCP server that floods its stderr and then fails, for `test_mcp_stderr.py`: run as
+"""A stdio MCP server that floods its stderr and then fails, for `test_mcp_client.py`: run as
 `python tests/tools/noisy_mcp_server.py MEGABYTES`. It writes MEGABYTES of noise to stderr, then
 one last line naming why it gives up, and exits 1 before serving."""
 

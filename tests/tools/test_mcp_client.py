@@ -1,8 +1,10 @@
-"""Tools from MCP servers (`agent_grpo.tools.mcp_client`), Notes-v0, and the docs example.
+"""Tools from MCP servers (`agent_grpo.tools.mcp_client`), Notes-v0, the docs example, and a
+stdio server's stderr kept as a bounded tail.
 
 Everything past the pure functions runs the real SDK end to end: servers started over stdio (one
-over streamable HTTP), including `tests/mcp_servers.py`, which crashes or hangs on request. Each
-server start costs about 2 s (importing `mcp`), so tests share what they can.
+over streamable HTTP), including `tests/tools/mcp_servers.py`, which crashes or hangs on request.
+Each server start imports `mcp` (what a start costs: docs/benchmarks.md, "MCP servers"), so tests
+share what they can.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 import os
 import re
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -33,6 +36,7 @@ from agent_grpo.envs.text_env import heldout_seeds, read_step_info, run_expert
 from agent_grpo.testing.reward_rules import reward_override
 from agent_grpo.tools.formats import parse_tool_calls
 from agent_grpo.tools.mcp_client import (
+    STDERR_TAIL_BYTES,
     McpClient,
     McpServer,
     McpServerError,
@@ -50,22 +54,22 @@ FLAKY = [sys.executable, str(Path(__file__).with_name("mcp_servers.py"))]
 def alive(pid: int) -> bool:
     """Whether process `pid` exists and is not a zombie."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        line = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
         return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return line.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def children() -> set[int]:
     """Live child processes of this test process."""
     found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError):
             continue
         if int(fields[1]) == os.getpid() and fields[0] != "Z":
-            found.add(int(stat.parent.name))
+            found.add(int(stat_file.parent.name))
     return found
 
 
@@ -496,3 +500,38 @@ def test_two_training_steps_on_notes(
     records = (run / "trajectories" / "step_000000.jsonl").read_text().splitlines()
     assert all("write_note" in json.loads(r)["messages"][0]["content"] for r in records)
     assert children() == before  # every server stopped
+
+
+# ---- A stdio MCP server's stderr is kept as a bounded tail (the last `STDERR_TAIL_BYTES`), which
+# still ends the error message when the server fails: a file kept everything.
+
+NOISY = [sys.executable, str(Path(__file__).with_name("noisy_mcp_server.py"))]
+LAST_LINE = "noisy server: cannot open its database, giving up"
+NOISE_MB = 32
+
+
+def largest_open_file() -> int:
+    """Size in bytes of the largest regular file this process holds open (0 if none)."""
+    sizes = [0]
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            st = os.stat(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            sizes.append(st.st_size)
+    return max(sizes)
+
+
+def test_a_noisy_servers_stderr_is_a_bounded_tail_that_ends_the_failure_message() -> None:
+    client = McpClient(McpServer(command=[*NOISY, str(NOISE_MB)]))
+    before = largest_open_file()
+    try:
+        with pytest.raises(McpServerError, match="could not start") as failed:
+            client.tools()
+        assert str(failed.value).endswith(f"noise \n{LAST_LINE}")
+        assert largest_open_file() <= max(before, STDERR_TAIL_BYTES)  # no file holds the noise
+        tail = client.stderr_tail()
+        assert tail.endswith(LAST_LINE + "\n") and len(tail.encode()) == STDERR_TAIL_BYTES
+    finally:
+        client.close()

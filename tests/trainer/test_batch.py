@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerBase
 
+from agent_grpo.inspect.rewriting_templates import THINKING_PROMPT, with_template
 from agent_grpo.testing.records import builder_record, minimal_record
-from agent_grpo.testing.templates import THINKING_PROMPT, with_template
 from agent_grpo.trainer.batch import (
     episode_rows,
     micro_batches,

@@ -72,6 +72,9 @@ MATRIX: dict[str, list[str]] = {
         "algo.minibatches=2"],
     "nan-reward-mb2-k2-rloo-tis-sumnorm": [NAN, "algo.minibatches=2", "algo.beta=0.04",
         "algo.leave_one_out=true", "algo.tis_cap=2.0", "algo.aggregation=seq-mean-token-sum-norm"],
+    "partial-k1-tis-topk-causes-epochs2": [EVEN, "rollout.partial={over_sample: 1}",
+        "algo.max_staleness=1", "algo.tis_cap=2.0", "rollout.sampling.top_k=20",
+        "rollout.mismatch_causes_every=1", "algo.epochs=2"],
 }  # fmt: skip
 
 SAME_UPDATE: list[tuple[str, list[str], list[str]]] = [
@@ -115,15 +118,16 @@ def rows(run: Path) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, lines) if "loss" in r]
 
 
-STEP_KEYS = set(StepMetrics.model_fields) - {"rollout", "signal", "mismatch", "update",
+STEP_KEYS = set(StepMetrics.model_fields) - {"rollout", "signal", "mismatch", "update", "times",
                                              "reward_means", "staleness",
-                                             "mismatch_by_staleness"}  # fmt: skip
+                                             "mismatch_by_staleness",
+                                             "mismatch_causes"}  # fmt: skip
 
 
 def metric_names() -> set[str]:
     """Every key a step row must have: the fields of `StepMetrics` and of its parts."""
     names = set(STEP_KEYS)
-    for part in ("rollout", "signal", "mismatch", "update"):
+    for part in ("rollout", "signal", "mismatch", "update", "times"):
         names |= set(StepMetrics.model_fields[part].annotation.model_fields)  # type: ignore[union-attr]
     return names
 
@@ -137,10 +141,18 @@ def test_every_knob_combination_trains(tmp_path: Path, tiny_model_dir: Path, nam
     for row in steps:
         components = {k for k in row if k.startswith("rewards/")}
         assert components == {"rewards/verifier/mean", f"rewards/{source(name)}/mean"}, row
-        assert {k for k in row if k.startswith("staleness/")} == {"staleness/0"}  # synchronous
-        assert {k for k in row if k.startswith("mismatch_staleness/")} <= {"mismatch_staleness/0"}
+        # synchronous, except the groups partial rollouts carry into the next step
+        ages = {"0", "1"} if name.startswith("partial") and row["step"] > 0 else {"0"}
+        assert {k for k in row if k.startswith("staleness/")} <= {f"staleness/{a}" for a in ages}
+        assert {k for k in row if k.startswith("mismatch_staleness/")} <= {
+            f"mismatch_staleness/{a}" for a in ages
+        }
+        causes = {k for k in row if k.startswith("mismatch_cause/")}
+        wanted = {"mismatch_cause/filter", "mismatch_cause/kernels"} if "causes" in name else set()
+        assert causes == wanted, causes
         named = {k for k in row if not k.startswith(("rewards/", "staleness/",
-                                                      "mismatch_staleness/"))}  # fmt: skip
+                                                      "mismatch_staleness/",
+                                                      "mismatch_cause/"))}  # fmt: skip
         assert named == metric_names(), named ^ metric_names()
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]), row
         assert row["skipped_steps"] == 0
@@ -153,6 +165,8 @@ def test_every_knob_combination_trains(tmp_path: Path, tiny_model_dir: Path, nam
             # Every advantage is 0 and there is no KL term: nothing moves the weights
             # (trained_tokens still counts the denominator's tokens, skipped or not).
             assert all(r["loss"] == 0 and r["grad_norm"] == 0 for r in steps)
+    if name.startswith("partial"):
+        assert all(r["in_flight_groups"] == 1 for r in steps)
     if name.startswith("nan-reward"):
         assert all(r["nonfinite_rewards"] == 2 and r["excluded_trajectories"] == 2 for r in steps)
         records = (run / "trajectories" / "step_000000.jsonl").read_text().splitlines()

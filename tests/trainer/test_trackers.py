@@ -54,31 +54,43 @@ def _assert_same(stored: dict[str, float], run: Path) -> None:
     assert stored == pytest.approx(expected, rel=1e-6)
 
 
+GROUPED_NAMES = [
+    ("reward_mean", "reward/reward_mean"),
+    ("rewards/verifier/mean", "reward/verifier/mean"),
+    ("loss", "loss/loss"),
+    ("kl_ref", "loss/kl_ref"),
+    ("grad_norm", "update/grad_norm"),
+    ("step_time_s", "timing/step_time_s"),
+    ("rollout_tokens_per_s", "timing/rollout_tokens_per_s"),
+    ("success_rate", "rollout/success_rate"),
+    ("dead_group_fraction", "signal/dead_group_fraction"),
+    ("canary_gap", "mismatch/canary_gap"),
+    ("staleness/1", "rollout/staleness/1"),
+    ("mismatch_staleness/1", "mismatch/staleness/1"),
+    ("mismatch_cause/dtype", "mismatch/cause/dtype"),
+    ("worker_failures", "rollout/worker_failures"),
+]
+"""Flat metric names and the grouped names trackers show them under."""
+
+
 def test_every_flat_key_gets_a_group_and_names_stay_distinct() -> None:
     fields = StepMetrics.model_fields
-    flat = [k for k in fields if k not in {"rollout", "signal", "mismatch", "update"}]
-    for part in ("rollout", "signal", "mismatch", "update"):
+    flat = [k for k in fields if k not in {"rollout", "signal", "mismatch", "update", "times"}]
+    for part in ("rollout", "signal", "mismatch", "update", "times"):
         flat += list(fields[part].annotation.model_fields)  # type: ignore[union-attr]
     flat = [k for k in flat if k not in {"step", "reward_means", "staleness",
-                                         "mismatch_by_staleness"}]  # fmt: skip
+                                         "mismatch_by_staleness", "mismatch_causes"}]  # fmt: skip
     flat += ["rewards/verifier/mean", "rewards/even/mean", "staleness/0", "staleness/2",
-             "mismatch_staleness/0", "mismatch_staleness/1"]  # fmt: skip
+             "mismatch_staleness/0", "mismatch_staleness/1", "mismatch_cause/filter",
+             "mismatch_cause/kernels"]  # fmt: skip
     names = [grouped_name(k) for k in flat]
     assert len(set(names)) == len(names)
     assert {n.split("/")[0] for n in names} == GROUPS
-    assert grouped_name("reward_mean") == "reward/reward_mean"
-    assert grouped_name("rewards/verifier/mean") == "reward/verifier/mean"
-    assert grouped_name("loss") == "loss/loss"
-    assert grouped_name("kl_ref") == "loss/kl_ref"
-    assert grouped_name("grad_norm") == "update/grad_norm"
-    assert grouped_name("step_time_s") == "timing/step_time_s"
-    assert grouped_name("rollout_tokens_per_s") == "timing/rollout_tokens_per_s"
-    assert grouped_name("success_rate") == "rollout/success_rate"
-    assert grouped_name("dead_group_fraction") == "signal/dead_group_fraction"
-    assert grouped_name("canary_gap") == "mismatch/canary_gap"
-    assert grouped_name("staleness/1") == "rollout/staleness/1"
-    assert grouped_name("mismatch_staleness/1") == "mismatch/staleness/1"
-    assert grouped_name("worker_failures") == "rollout/worker_failures"
+
+
+@pytest.mark.parametrize(("flat", "grouped"), GROUPED_NAMES)
+def test_a_flat_key_is_shown_under_its_group(flat: str, grouped: str) -> None:
+    assert grouped_name(flat) == grouped
 
 
 def test_tensorboard_false_means_no_tracker_unless_report_to_is_set() -> None:

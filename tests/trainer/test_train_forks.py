@@ -1,22 +1,24 @@
 """Training through forks: two GRPO steps where every episode's token tree branches, because the
-chat template opens reasoning in its generation prompt (Qwen3-Thinking, DeepSeek-R1), or because
+chat template opens reasoning in its generation prompt (Qwen3-Thinking, DeepSeek-R1), because a
+gpt-oss-style template renders a call from `tool_calls` otherwise than it was sampled, or because
 the context policy compacts the long tool outputs of Logs-v0. Every sampled token enters the loss
 once, the trainer scores every branch, and the update has a gradient."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.config.base import load_config
 from agent_grpo.config.jobs import TrainConfig
+from agent_grpo.inspect.rewriting_templates import TEST_TEMPLATES, THINKING_PROMPT, with_template
 from agent_grpo.testing.backends import SeededFinal
 from agent_grpo.testing.cli_runs import agent_grpo, metrics
 from agent_grpo.testing.reward_rules import reward_override
-from agent_grpo.testing.templates import THINKING_PROMPT, with_template
 from agent_grpo.testing.tiny_model import save_tiny_model
 from agent_grpo.trainer import setup
 from agent_grpo.trainer.loop import train
@@ -24,6 +26,12 @@ from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 CALC = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 1"}}\n</tool_call>'
+HARMONY_CALL = (
+    "<|channel|>analysis<|message|>Use the calculator.<|end|><|start|>assistant"
+    "<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>"
+    '{"expression": "1 + 1"}<|call|>'
+)
+HARMONY_TIGHT = HARMONY_CALL.replace('": "', '":"')  # the template writes JSON with a space
 READS = [
     f'<tool_call>\n{{"name": "read_log", "arguments": {{"log": "svc-1-{k}"}}}}\n</tool_call>'
     for k in range(3)
@@ -40,13 +48,19 @@ def records_of(run: Path) -> list[TrajectoryRecord]:
     ]
 
 
-def forked_run(root: Path, model: Path, script: list[str], overrides: list[str]) -> Iterator[Path]:
+def forked_run(
+    root: Path,
+    model: Path,
+    script: list[str],
+    overrides: list[str],
+    engine: Callable[[Any, list[str]], SeededFinal] = SeededFinal,
+) -> Iterator[Path]:
     """Train 2 steps with a scripted engine (turns past the script answer by seed)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(
             setup,
             "build_engine",
-            lambda config, sampler, tokenizer, *_: SeededFinal(tokenizer, script),
+            lambda config, sampler, tokenizer, *_: engine(tokenizer, script),
         )
         config = load_config(
             TrainConfig,
@@ -103,6 +117,43 @@ def test_a_thinking_template_trains_through_a_fork_per_turn(thinking_run: Path) 
         assert r.lengths.branches == len(r.turns) == 2 and r.forks[0].parent == 0
         assert [t.branch for t in r.turns] == [0, 1]  # one turn trained in each branch
         assert r.forks[0].reason.startswith("template text changed")
+
+
+def harmony_engine(tokenizer: Any, script: list[str]) -> SeededFinal:
+    """Harmony turns: calls stop on `<|call|>` (no EOS), answers in a final channel message; a
+    prompt holds one `<|call|>` per call taken."""
+    return SeededFinal(
+        tokenizer,
+        script,
+        final="<|channel|>final<|message|>{}",
+        turn_marker=("<|call|>", 0),
+        stop_strings=("<|call|>",),
+    )
+
+
+def test_a_harmony_template_trains_calls_rendered_from_tool_calls(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    harmony = with_template(tokenizer, TEST_TEMPLATES["harmony-style"])
+    model = save_tiny_model(tmp_path / "model", tokenizer=harmony)
+    overrides = ["run.name=harmony", "model.tool_format=auto", "rollout.max_context_tokens=1024"]
+    script = [HARMONY_CALL, HARMONY_TIGHT]
+    run = next(forked_run(tmp_path, model, script, overrides, harmony_engine))
+    assert "tool_call_format: harmony" in (run / "config.yaml").read_text()
+    records = check_trains_each_token_once(run)
+    for r in records:
+        # the first call renders back as sampled; the second is written with other spacing
+        assert [c.result for t in r.turns for c in t.tool_calls] == ["2", "2"]
+        assert r.lengths.branches == 2 and [t.branch for t in r.turns] == [0, 0, 1]
+        fork = r.forks[0]
+        assert fork.reason == "template rewrote turn 1" and fork.parent == 0
+        tokens = list(zip(fork.token_ids, fork.provenance, strict=True))
+        context = [t for t, p in tokens if p is Provenance.CONTEXT]
+        markup = [t for t, p in tokens if p is Provenance.TEMPLATE]
+        # turn 0 as sampled, then turn 1's fields as plain text, its markup as template text
+        assert harmony.decode(context).endswith('Use the calculator.{"expression": "1 + 1"}')
+        call = harmony.convert_tokens_to_ids("<|call|>")
+        assert context.count(call) == 1 and markup.count(call) == 1
 
 
 def test_logs_compaction_trains_through_the_rewritten_context(

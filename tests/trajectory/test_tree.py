@@ -8,18 +8,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerBase
 
-from agent_grpo.testing.records import builder_record
-from agent_grpo.testing.templates import QWEN3_STYLE, THINKING_PROMPT, with_template
+from agent_grpo.inspect.rewriting_templates import QWEN3_STYLE, THINKING_PROMPT, with_template
+from agent_grpo.testing.records import sampled_ids, truncated_record
+from agent_grpo.testing.strategies import hostile_text, observations, tree_settings
 from agent_grpo.trajectory.invariants import (
     TrajectoryInvariantError,
     check_branch_renders,
     check_invariants,
 )
-from agent_grpo.trajectory.record import Message, Provenance, Termination, TrajectoryRecord
+from agent_grpo.trajectory.record import Message, Provenance, TrajectoryRecord
 from agent_grpo.trajectory.tree import TokenBuilder
 
 IM_START, IM_END = 1, 2
@@ -42,25 +43,12 @@ def sample(builder: TokenBuilder, tok: PreTrainedTokenizerBase, text: str) -> li
     return ids
 
 
-def record_of(builder: TokenBuilder) -> TrajectoryRecord:
-    return builder_record(builder, termination=Termination(kind="truncated", reason="max_turns"))
-
-
-def model_ids(record: TrajectoryRecord) -> list[int]:
-    return [
-        t
-        for row in record.rows()
-        for t, p in zip(row.token_ids, row.provenance, strict=True)
-        if p is Provenance.MODEL
-    ]
-
-
 def test_an_append_only_template_never_forks(tokenizer: PreTrainedTokenizerBase) -> None:
     builder = TokenBuilder(tokenizer, PROMPT)
     sample(builder, tokenizer, "<think>a</think>call")
     builder.add_observations([Message(role="tool", content="5")])
     sample(builder, tokenizer, "done")
-    record = record_of(builder)
+    record = truncated_record(builder)
     assert builder.branch_count == 1 and record.forks == [] and record.root_messages_count is None
     assert record.lengths.branches == 1 and record.lengths.context == 0
 
@@ -81,11 +69,11 @@ def test_qwen3_style_reasoning_dropped_by_a_new_user_message_forks(
     text = qwen3.decode(fork.token_ids)
     assert "add them" not in text and "got 5" not in text and "call add" in text
     third = sample(builder, qwen3, "10")
-    record = record_of(builder)
+    record = truncated_record(builder)
     check_invariants(record, qwen3)
     check_branch_renders(record, qwen3)
     # every sampled id is trained once: turns 0 and 1 in branch 0, turn 2 in branch 1
-    assert model_ids(record) == first + second + third
+    assert sampled_ids(record) == first + second + third
     assert [t.branch for t in record.turns] == [0, 0, 1]
     assert Provenance.CONTEXT in record.forks[0].provenance
 
@@ -112,7 +100,7 @@ def test_a_generation_prompt_that_opens_reasoning_forks_every_turn(
         sample(builder, thinking, f"step {k}")
         builder.add_observations([Message(role="tool", content=f"obs {k}")])
     held = builder.context_length
-    record = record_of(builder)
+    record = truncated_record(builder)
     # the context after the last observation is never sampled in: no row for it
     assert record.lengths.branches == 3 and held > len(record.forks[-1].token_ids)
     assert [f.parent for f in record.forks] == [0, 1]
@@ -127,7 +115,7 @@ def test_an_episode_that_ends_right_after_a_fork_keeps_one_row(
     builder = TokenBuilder(thinking, PROMPT)
     ids = sample(builder, thinking, "call")
     builder.add_observations([Message(role="tool", content="a long output")])  # forks
-    record = record_of(builder)  # ended here (max_context, say): nothing sampled in the fork
+    record = truncated_record(builder)  # ended here (max_context, say): nothing sampled in the fork
     assert record.forks == [] and record.lengths.branches == 1
     assert record.root_messages_count == 3 and record.token_ids[-len(ids) :] == ids
     check_invariants(record, thinking)
@@ -148,14 +136,14 @@ def test_compaction_replaces_old_observations_in_a_new_branch(
     assert builder.branch_count == 2 and builder.context_length < before
     assert builder.forks()[0].reason == "context: compact"
     third = sample(builder, tokenizer, "done")
-    record = record_of(builder)
+    record = truncated_record(builder)
     # the record keeps what happened; the branch renders the compacted conversation
     assert [m.content for m in record.messages][3].startswith("a very long output")
     assert record.forks[0].messages[3] == summary
     assert record.root_messages_count == 5  # branch 0 ends with the turn it trains last
     check_invariants(record, tokenizer)
     check_branch_renders(record, tokenizer)
-    assert model_ids(record) == first + second + third
+    assert sampled_ids(record) == first + second + third
 
 
 def test_replace_messages_refuses_what_would_lose_sampled_ids(
@@ -181,7 +169,7 @@ def test_a_tampered_branch_fails_the_render_check(qwen3: PreTrainedTokenizerBase
     sample(builder, qwen3, "<think>x</think>call")
     builder.add_observations([Message(role="tool", content="5")])
     sample(builder, qwen3, "done")
-    record = record_of(builder)
+    record = truncated_record(builder)
     fork = record.forks[0]
     at = fork.provenance.index(Provenance.OBSERVATION)
     fork.token_ids[at] = 42  # a forged observation id: the invariants do not see it
@@ -209,8 +197,7 @@ HOSTILE = [
     "🙂",
     "\ue000slot0\ue001",
 ]
-pieces = st.one_of(st.sampled_from(HOSTILE), st.text(st.characters(codec="ascii"), max_size=8))
-hostile_text = st.lists(pieces, max_size=5).map("".join)
+hostile = hostile_text(HOSTILE, pieces=5, chars=8)
 
 
 @dataclass
@@ -223,10 +210,8 @@ class Turn:
 turns = st.lists(
     st.builds(
         Turn,
-        model_text=hostile_text,
-        observation=st.builds(
-            Message, role=st.sampled_from(["tool", "user"]), content=hostile_text, name=st.none()
-        ),
+        model_text=hostile,
+        observation=observations(hostile),
         compact=st.booleans(),
     ),
     min_size=1,
@@ -234,12 +219,7 @@ turns = st.lists(
 )
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+@tree_settings(40)
 @given(turns=turns, template=st.sampled_from(["chatml", "qwen3", "thinking"]))
 def test_random_episodes_train_each_token_once_and_forge_nothing(
     tokenizer: PreTrainedTokenizerBase, turns: list[Turn], template: str
@@ -261,10 +241,10 @@ def test_random_episodes_train_each_token_once_and_forge_nothing(
     builder.add_model_turn([IM_END], [-0.1])
     contexts.append(builder.token_ids[:-1])
     sampled.append(IM_END)
-    record = record_of(builder)
+    record = truncated_record(builder)
     check_invariants(record, tok, contexts=contexts)
     check_branch_renders(record, tok)
-    assert model_ids(record) == sampled  # each sampled id trained once, in order
+    assert sampled_ids(record) == sampled  # each sampled id trained once, in order
     assert record.lengths.model == len(sampled)
     for row in record.rows():  # observation, prompt and rewritten text never hold a special id
         for t, p in zip(row.token_ids, row.provenance, strict=True):

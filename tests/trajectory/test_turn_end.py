@@ -19,7 +19,7 @@ from agent_grpo.rollout.config import OpenAIBackendConfig
 from agent_grpo.testing.records import builder_record
 from agent_grpo.testing.reference_tokens import render_reference
 from agent_grpo.trainer.warm_start import expert_record
-from agent_grpo.trajectory.invariants import check_invariants
+from agent_grpo.trajectory.invariants import check_branch_renders, check_invariants
 from agent_grpo.trajectory.record import Message
 from agent_grpo.trajectory.tokens import ChatTemplateError, TurnEnd, turn_end_ids
 from agent_grpo.trajectory.tree import TokenBuilder
@@ -116,11 +116,13 @@ def test_a_sampled_eos_that_is_not_the_turn_end_is_content(
     assert reference == (builder.token_ids, builder.provenance)
 
 
-def test_a_template_closing_turns_unlike_its_probe_is_rejected(
+def test_a_template_closing_turns_unlike_how_they_ended_forks(
     tokenizer: PreTrainedTokenizerBase,
 ) -> None:
     # `<|im_end|>` without a system message (what `turn_end_ids` probes), `<|endoftext|>` with
-    # one: merging the sampled `<|im_end|>` into that closing would falsify the sequence.
+    # one, as gpt-oss samples `<|return|>` and writes `<|end|>` in the history: merging the
+    # sampled `<|im_end|>` into that closing would falsify the sequence, so the next context
+    # renders the turn as the template writes it, in a new branch.
     odd = copy.deepcopy(tokenizer)
     odd.chat_template = (
         "{% set end = '<|endoftext|>' if messages[0]['role'] == 'system' else '<|im_end|>' %}"
@@ -129,9 +131,19 @@ def test_a_template_closing_turns_unlike_its_probe_is_rejected(
     )
     assert turn_end_ids(odd).id == IM_END
     builder = TokenBuilder(odd, PROMPT)
+    first = builder.add_model_turn([28, IM_END], [-1.0, -1.0])
+    builder.add_observations([RESULT])
+    assert builder.branch_count == 2
+    fork = builder.forks()[0]
+    # it shares the turn's text (the same id as plain text) and differs at the closing
+    assert fork.reason == "template rewrote turn 0" and fork.fork_at == first.start + 1
+    # the turn as the template writes it: its text, then the template's own closing
+    assert fork.token_ids[first.start : first.start + 3] == [28, ENDOFTEXT, 198]
     builder.add_model_turn([28, IM_END], [-1.0, -1.0])
-    with pytest.raises(ChatTemplateError, match=r"closes this assistant turn with ids \[0, 198"):
-        builder.add_observations([RESULT])
+    record = builder_record(builder)
+    check_invariants(record, odd)
+    check_branch_renders(record, odd)
+    assert [t.branch for t in record.turns] == [0, 1]
 
 
 @pytest.mark.parametrize("which", ["turn end", "eos"])

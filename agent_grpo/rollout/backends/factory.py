@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,7 +17,17 @@ from agent_grpo.rollout.config import (
     VLLMBackendConfig,
 )
 
-__all__ = ["EngineLimits", "build_backend", "kv_cache_bytes", "rollout_limits", "vllm_engine_args"]
+if TYPE_CHECKING:
+    from agent_grpo.rollout.backends.vllm import VLLMBackend
+
+__all__ = [
+    "EngineLimits",
+    "build_backend",
+    "build_vllm",
+    "kv_cache_bytes",
+    "rollout_limits",
+    "vllm_engine_args",
+]
 
 _KV_BLOCK = 128
 """Tokens per KV block we round a sequence up to (vLLM's CPU blocks are at most this long)."""
@@ -68,6 +78,21 @@ def vllm_engine_args(
     return {**args, **config.engine_kwargs}
 
 
+def build_vllm(
+    config: VLLMBackendConfig, model_path: str, limits: EngineLimits | None = None
+) -> VLLMBackend:
+    """An in-process vLLM engine over the model at `model_path`, sized by `limits`
+    (`vllm_engine_args`; vLLM's own defaults without them)."""
+    from agent_grpo.rollout.backends.vllm import VLLMBackend
+
+    limits = limits or EngineLimits(max_seqs=256, max_len=4096)  # vLLM's own defaults
+    return VLLMBackend(
+        model_path,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        **vllm_engine_args(config, model_path, limits),
+    )
+
+
 def build_backend(
     config: BackendConfig,
     policy: torch.nn.Module,
@@ -90,14 +115,7 @@ def build_backend(
             packed_decode=config.packed_decode,
         )
     if isinstance(config, VLLMBackendConfig):
-        from agent_grpo.rollout.backends.vllm import VLLMBackend
-
-        limits = limits or EngineLimits(max_seqs=256, max_len=4096)  # vLLM's own defaults
-        return VLLMBackend(
-            model_path,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            **vllm_engine_args(config, model_path, limits),
-        )
+        return build_vllm(config, model_path, limits)
     assert isinstance(config, OpenAIBackendConfig)
     from agent_grpo.rollout.backends.openai import OpenAIBackend
     from agent_grpo.trajectory.tokens import turn_end_ids

@@ -4,6 +4,9 @@ Where we depart from the usual way of running vLLM for RL:
 - The engine runs inside this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so `update_weights`
   hands the trainer's tensors straight to the worker's `reload_weights`: no checkpoint on disk, no
   NCCL weight-transfer group. The price is that the engine loop shares the trainer's process.
+  Inside a Ray rollout actor the same engine takes the tensors the actor received
+  (`load_weights`; agent_grpo/rollout/weight_sync.py), and a LoRA adapter as a directory in
+  peft's format (`use_adapter`), run with vLLM's own LoRA support.
 - `logprobs_mode="processed_logprobs"` is forced. vLLM's default returns logprobs of the raw
   logits, not of the temperature/top-k/top-p distribution a token was actually drawn from.
   Under greedy sampling (temperature 0) vLLM returns the logprob under the unscaled logits.
@@ -37,9 +40,11 @@ from agent_grpo.trajectory.tokens import turn_end_ids
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
     from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.outputs import CompletionOutput
 
 __all__ = [
+    "LORA_PROMPT_LOGPROBS",
     "VLLMBackend",
     "VLLMBackendError",
     "repack_cpu_lm_head",
@@ -49,6 +54,12 @@ __all__ = [
 ]
 
 _LOGPROBS_MODE = "processed_logprobs"
+LORA_PROMPT_LOGPROBS = (
+    "vLLM cannot score given ids under a LoRA adapter: its prompt logprobs apply the adapter's "
+    "logits mapping per sequence, not per token (the CPU build fails; vllm-project/vllm#29955, "
+    "#51594)"
+)
+"""Why `VLLMBackend.score` refuses to run with an adapter (the weight canary needs it)."""
 EngineDType = Literal["auto", "float16", "bfloat16", "float32"]
 _FINISH_REASONS: dict[str | None, Literal["stop", "length"]] = {"stop": "stop", "length": "length"}
 
@@ -182,6 +193,8 @@ class VLLMBackend:
             stop_token_ids = turn_end_ids(engine_tokenizer).stop_ids
         self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
         """Ids every request stops on (kept as its last id), besides the model's EOS."""
+        self.adapter: LoRARequest | None = None
+        """The LoRA adapter every request runs with (`use_adapter`); None: the base weights."""
 
     @property
     def llm(self) -> LLM:
@@ -203,7 +216,7 @@ class VLLMBackend:
         requests = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts]
         params = [to_sampling_params(sampling, seed, self.stop_token_ids) for seed in seeds]
         start = time.perf_counter()
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.adapter)
         batch_s = time.perf_counter() - start
         generations = [to_generation(out.outputs[0]) for out in outputs]
         for generation in generations:
@@ -212,23 +225,41 @@ class VLLMBackend:
 
     def update_weights(self, model: torch.nn.Module) -> None:
         """Copy the trainer's weights into the engine, then drop KV blocks cached with old ones."""
-        weights = trainer_weights(model)
+        self.load_weights(trainer_weights(model))
+
+    def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Load tensors named as in the Hugging Face checkpoint (all of the model's, or some)
+        into the engine, then drop KV blocks cached with the old weights."""
         self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+            "reload_weights",
+            kwargs={"weights_iterator": list(weights), "is_checkpoint_format": True},
         )
         self.llm.apply_model(repack_cpu_lm_head)
         # Without this, a prompt prefix seen before the update reuses KV from the old weights.
         if not self.llm.reset_prefix_cache():
             raise VLLMBackendError("vLLM refused to reset its prefix cache (requests running?)")
 
+    def use_adapter(self, path: str | Path, adapter_id: int) -> None:
+        """Sample and score with the LoRA adapter saved at `path` (peft's format) from now on;
+        `adapter_id` (>= 1) names this version of it. The engine must have been started with
+        LoRA enabled (`enable_lora`); it keeps the most recent `max_loras` versions loaded.
+        KV cached under another adapter is never reused for this one (vLLM keys its prefix
+        cache by adapter)."""
+        from vllm.lora.request import LoRARequest
+
+        self.adapter = LoRARequest(f"adapter-{adapter_id}", adapter_id, str(path))
+
     def score(
         self, sequences: list[list[int]], targets: list[list[bool]], temperature: float
     ) -> list[list[float]]:
         """Per-token logprobs of given ids (the `GenerationBackend` contract): vLLM's prompt
-        logprobs of each sequence, one token generated and thrown away."""
+        logprobs of each sequence, one token generated and thrown away. Not under a LoRA
+        adapter (`use_adapter`): see `LORA_PROMPT_LOGPROBS`."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self.adapter is not None:
+            raise VLLMBackendError(LORA_PROMPT_LOGPROBS)
         params = SamplingParams(max_tokens=1, temperature=temperature, prompt_logprobs=0,
                                 detokenize=False)  # fmt: skip
         requests = [TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences]

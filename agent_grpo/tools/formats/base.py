@@ -37,8 +37,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 __all__ = [
     "MAX_JSON_DEPTH",
+    "TOOL_NAME",
     "JsonProblem",
     "ParsedToolCall",
+    "StructuredTurn",
+    "StructuresTurns",
     "SupportsArgs",
     "ToolCallFormat",
     "ToolCallParseError",
@@ -59,6 +62,12 @@ __all__ = [
 MAX_JSON_DEPTH = 64
 """Deepest nesting of objects and arrays a tool call may have, counting the call object itself
 as one level (no real tool needs a tenth)."""
+
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""What a tool name may be: it is written into prompts and calls of every format, where a space,
+a quote, `<`, `>`, `|`, `[` or a newline could read as template markup (`<|im_end|>`,
+`[TOOL_CALLS]`, a closing tag)."""
 
 
 class _Value(BaseModel):
@@ -124,6 +133,33 @@ class ToolCallFormat(Protocol):
     def render_call(self, name: str, arguments: Mapping[str, Any]) -> str:
         """One call as the model writes it; `parse` reads it back unchanged. Raises ValueError
         for arguments the format cannot write."""
+        ...
+
+
+class StructuredTurn(_Value):
+    """A sampled turn as the structured assistant message some chat templates render it from
+    (gpt-oss, DeepSeek V3): its text, its reasoning and its calls, read by the format's parser."""
+
+    content: str = ""
+    """What the template renders as the message's text (Harmony: the final channel; DeepSeek:
+    the text before the calls); empty for none."""
+    reasoning: str | None = None
+    """The reasoning the template renders from its own field (Harmony's analysis channel, which
+    gpt-oss templates read from `thinking`); None for none."""
+    calls: tuple[ParsedToolCall, ...] = ()
+    """The calls, in order, each named by `TOOL_NAME` (a name the template writes as its own
+    text can then hold nothing that reads as markup)."""
+
+
+@runtime_checkable
+class StructuresTurns(Protocol):
+    """A format whose family's chat templates render calls from a message's `tool_calls` (and
+    reasoning from a field of its own), not from the message's text."""
+
+    def structure(self, text: str) -> StructuredTurn | None:
+        """A sampled turn as those fields, read by the format's parser; None when the turn is not
+        in the family's layout (a malformed call, text after the calls), so that it is handed to
+        the template as its text. Never raises."""
         ...
 
 

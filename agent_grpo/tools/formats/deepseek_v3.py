@@ -24,7 +24,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agent_grpo.tools.formats.base import (
+    TOOL_NAME,
     ParsedToolCall,
+    StructuredTurn,
     ToolCallParseError,
     arguments_call,
     as_function,
@@ -89,6 +91,19 @@ class DeepSeekV3ToolCallFormat:
             "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
         )
         return head + lines + _INSTRUCTIONS
+
+    def structure(self, text: str) -> StructuredTurn | None:
+        """The turn as DeepSeek V3 templates take it: the text before its one calls block as
+        `content`, and the block's calls. None for any other shape (no block, two, a malformed
+        call, text after the block): the template then renders the turn as its text."""
+        blocks = find_tagged_blocks(text, CALLS_BEGIN, CALLS_END)
+        if len(blocks) != 1 or blocks[0][1] is None or not text.endswith(blocks[0][0]):
+            return None
+        calls = _block_calls(blocks[0][0], blocks[0][1])
+        named = [c for c in calls if isinstance(c, ParsedToolCall) and TOOL_NAME.fullmatch(c.name)]
+        if len(named) != len(calls):
+            return None
+        return StructuredTurn(content=text[: text.find(CALLS_BEGIN)], calls=tuple(named))
 
 
 def _block_calls(raw: str, inner: str) -> Parsed:

@@ -25,7 +25,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from agent_grpo.tools.formats.base import (
+    TOOL_NAME,
     ParsedToolCall,
+    StructuredTurn,
     ToolCallParseError,
     arguments_call,
     as_function,
@@ -41,6 +43,7 @@ END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 NAMESPACE = "functions."
 _RECIPIENT = re.compile(r"\bto=([^\s<]*)")
 _CONTENT_END = re.compile("|".join(re.escape(token) for token in (END, CALL, RETURN, START)))
+_MARKUP = (START, MESSAGE, CHANNEL, CONSTRAIN, END, CALL, RETURN)
 
 
 class _Message(NamedTuple):
@@ -80,6 +83,28 @@ class HarmonyToolCallFormat:
         section = ["## functions\n", "namespace functions {\n", *types, "} // namespace functions"]
         return "# Tools\n\n" + "\n".join(section)
 
+    def structure(self, text: str) -> StructuredTurn | None:
+        """The turn as gpt-oss templates take it: an analysis message as `reasoning`, then one
+        final message as `content`, or one or more calls. None for any other shape: a preamble,
+        two analysis messages, a malformed call, Harmony markup inside a message's text (which
+        gpt-oss templates refuse to render)."""
+        messages = list(_messages(text))
+        reasoning = messages.pop(0).content if messages and _is_analysis(messages[0]) else None
+        if len(messages) == 1 and _is_final(messages[0]):
+            turn = StructuredTurn(content=messages[0].content or "", reasoning=reasoning)
+        elif messages and all(_is_call(m, m is messages[-1]) for m in messages):
+            calls = [_call(m) for m in messages]
+            named = [
+                c for c in calls if isinstance(c, ParsedToolCall) and TOOL_NAME.fullmatch(c.name)
+            ]
+            if len(named) != len(calls):
+                return None
+            turn = StructuredTurn(reasoning=reasoning, calls=tuple(named))
+        else:
+            return None
+        texts = (turn.content, turn.reasoning or "")
+        return None if any(token in t for t in texts for token in _MARKUP) else turn
+
 
 def _messages(text: str) -> Iterator[_Message]:
     """The turn's messages, in order (a last header without content included)."""
@@ -100,6 +125,40 @@ def _content_end(text: str, start: int) -> tuple[int, str | None]:
     never ended before the next one begins; None at the end of the text)."""
     found = _CONTENT_END.search(text, start)
     return (found.start(), found[0]) if found else (len(text), None)
+
+
+def _channel(message: _Message) -> str | None:
+    """The header's channel (`analysis`, `commentary`, `final`), None without one."""
+    if CHANNEL not in message.header:
+        return None
+    words = message.header.rsplit(CHANNEL, 1)[1].split()
+    return words[0] if words else ""
+
+
+def _is_analysis(message: _Message) -> bool:
+    return (
+        _channel(message) == "analysis"
+        and not _RECIPIENT.search(message.header)
+        and message.content is not None
+        and message.ended_by == END
+    )
+
+
+def _is_final(message: _Message) -> bool:
+    """A final message, ended by `<|return|>` or by the turn (its `<|return|>` taken off as the
+    turn's end)."""
+    return (
+        _channel(message) == "final"
+        and not _RECIPIENT.search(message.header)
+        and message.content is not None
+        and message.ended_by in (RETURN, None)
+    )
+
+
+def _is_call(message: _Message, last: bool) -> bool:
+    """A message with a recipient ended by `<|call|>` (or, the turn's last, by the turn)."""
+    ends = (CALL, None) if last else (CALL,)
+    return bool(_RECIPIENT.search(message.header)) and message.ended_by in ends
 
 
 def _call(message: _Message) -> ParsedToolCall | ToolCallParseError:

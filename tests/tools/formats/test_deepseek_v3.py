@@ -14,6 +14,7 @@ from agent_grpo.testing.tool_formats import TOOLS, UNCLOSED_AND_DEEP, assert_ref
 from agent_grpo.testing.tool_formats import deepseek_v3_block as block
 from agent_grpo.testing.tool_formats import deepseek_v3_call as one
 from agent_grpo.tools.formats import DeepSeekV3ToolCallFormat, ParsedToolCall, parse_tool_calls
+from agent_grpo.tools.formats.deepseek_v3 import CALLS_BEGIN, CALLS_END
 
 FMT = DeepSeekV3ToolCallFormat()
 
@@ -72,3 +73,31 @@ def test_render_tools_lists_the_schemas_and_the_markers() -> None:
         "<function_arguments_in_json_format>\n```<｜tool▁call▁end｜>At the end of function call "
         "returns, you should print <｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
     )
+
+
+# ---- the turn as DeepSeek V3 templates take it ---------------------------------------------------
+
+
+def test_structure_reads_the_text_before_the_calls_and_the_calls() -> None:
+    call = FMT.render_call("add", {"a": 1})
+    turn = FMT.structure(f"Let me add.\n{call}")
+    assert turn is not None and turn.content == "Let me add.\n" and turn.reasoning is None
+    assert [(c.name, c.arguments) for c in turn.calls] == [("add", {"a": 1})]
+    two = call.removesuffix(CALLS_END) + "\n" + FMT.render_call("sub", {}).removeprefix(CALLS_BEGIN)
+    structured = FMT.structure(two)
+    assert structured is not None and [c.name for c in structured.calls] == ["add", "sub"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The answer is 42.",  # no calls block
+        FMT.render_call("add", {"a": 1}) + " done",  # text after the block
+        FMT.render_call("add", {}) + FMT.render_call("add", {}),  # two blocks
+        FMT.render_call("add", {"a": 1}).replace("```json", "```"),  # malformed
+        FMT.render_call("add", {}).replace("add", "bad name"),  # not a tool name
+        FMT.render_call("add", {}).removesuffix(CALLS_END),  # never closed
+    ],
+)
+def test_structure_refuses_other_shapes(text: str) -> None:
+    assert FMT.structure(text) is None

@@ -113,3 +113,46 @@ def test_typescript_of_the_shapes_our_tools_produce() -> None:
         "{\nn?: number, // default: 3\ntags: string[],\nmaybe?: number | null, // default: null\n"
         "point: {\n    x: number,\n    },\nanything: any,\n}"
     )
+
+
+# ---- the turn as gpt-oss templates take it -------------------------------------------------------
+
+FINAL = "<|channel|>final<|message|>The answer is 42."
+
+
+def test_structure_reads_the_analysis_the_final_answer_and_the_calls() -> None:
+    call = FMT.render_call("add", {"a": 1})
+    with_analysis = FMT.structure(f"{HARMONY_ANALYSIS}{call}")
+    assert with_analysis is not None and with_analysis.reasoning == "Need the tool."
+    assert [(c.name, c.arguments) for c in with_analysis.calls] == [("add", {"a": 1})]
+    assert with_analysis.content == ""
+    two = FMT.structure(f"{call}<|start|>assistant{FMT.render_call('search', {})}")
+    assert two is not None and [c.name for c in two.calls] == ["add", "search"]
+    final = FMT.structure(f"{HARMONY_ANALYSIS}{FINAL}")  # its <|return|> taken off as the turn end
+    assert final is not None and (final.content, final.reasoning, final.calls) == (
+        "The answer is 42.",
+        "Need the tool.",
+        (),
+    )
+    assert FMT.structure(f"{FINAL}<|return|>") == final.model_copy(update={"reasoning": None})
+    # the call's <|call|> taken off, or never sampled: still a call
+    cut = FMT.structure(call.removesuffix("<|call|>"))
+    assert cut is not None and [(c.name, c.arguments) for c in cut.calls] == [("add", {"a": 1})]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The answer is 42.",  # no Harmony message at all
+        "<|channel|>commentary<|message|>I will add.<|end|><|start|>assistant"
+        + harmony_call('{"a": 1}'),  # a preamble has no field of its own
+        HARMONY_ANALYSIS + HARMONY_ANALYSIS.removeprefix("<|channel|>") + FINAL,  # two analyses
+        harmony_call('{"a": 1'),  # malformed
+        harmony_call('{"a": 1}', name="add|x"),  # a name that is not a tool name
+        harmony_call('{"a": 1}', end="<|end|>"),  # a call ended otherwise
+        "<|channel|>final<|message|>a<|channel|>final<|message|>b",  # markup in the text
+        f"{FINAL}<|end|><|start|>assistant{harmony_call('{}')}",  # an answer and a call
+    ],
+)
+def test_structure_refuses_other_shapes(text: str) -> None:
+    assert FMT.structure(text) is None

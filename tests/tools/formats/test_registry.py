@@ -7,6 +7,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.envs.calculator import CalculatorEnv
+from agent_grpo.inspect.rewriting_templates import TEST_TEMPLATES
 from agent_grpo.tools.formats import (
     TOOL_FORMATS,
     ParsedToolCall,
@@ -121,6 +122,15 @@ def test_an_unknown_name_is_one_line_listing_the_known_formats() -> None:
 def test_each_family_is_recognised_from_its_template(name: str) -> None:
     assert detect_tool_format(TEMPLATES[name]) == name
     assert tool_format_for("auto", TEMPLATES[name]) == name
+
+
+@pytest.mark.parametrize(
+    ("template", "name"), [("harmony-style", "harmony"), ("deepseek-v3-style", "deepseek_v3")]
+)
+def test_the_test_templates_that_render_tool_calls_are_their_family(
+    template: str, name: str
+) -> None:
+    assert tool_format_for("auto", TEST_TEMPLATES[template].text) == name
 
 
 def test_a_template_that_wraps_results_in_tool_response_is_hermes() -> None:
