@@ -84,10 +84,13 @@ VLLM_WORKERS = ["rollout.workers={type: ray}", "rollout.backend={type: vllm}"]
         (["rollout.workers={type: ray, resources: {node: 0}}"], "with a positive amount"),
         (["rollout.workers={type: ray, weight_sync: nccl}"], "weight_sync"),
         (
-            ["rollout.partial={}", "rollout.tasks_per_step=1",
-             "rollout.workers={type: ray, num_workers: 2}"],
+            [
+                "rollout.partial={}",
+                "rollout.tasks_per_step=1",
+                "rollout.workers={type: ray, num_workers: 2}",
+            ],
             "needs at least as many rollout.tasks_per_step",
-        ),  # fmt: skip
+        ),
         ([*VLLM_WORKERS, "model.lora={}", "rollout.canary={}"], "cannot score the canary"),
         ([*VLLM_WORKERS, "model.lora={r: 600}"], "takes ranks up to 512"),
         (
