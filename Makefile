@@ -70,7 +70,7 @@ typecheck: install
 
 pytest: install model model-gemma sandbox-deps
 	scripts/install-chromium.sh
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The quick layers (golden math, property tests, units with the tiny model): no test marked slow.
 test-fast: install model

@@ -31,6 +31,7 @@ __all__ = [
     "MAX_BURST_CORES",
     "MAX_FOREIGN_CORES",
     "LoadWindow",
+    "TreeCpu",
     "machine_busy_s",
     "own_cpu_s",
     "process_tree_cpu_s",
@@ -87,6 +88,70 @@ def process_tree_cpu_s(pid: int) -> float:
         total += usage.get(current, 0.0)
         todo += children.get(current, [])
     return total
+
+
+def _processes() -> tuple[dict[int, list[int]], dict[int, float]]:
+    """Every process's children, and its own CPU seconds (its reaped children's not)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    usage: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # after the name: state ppid ... utime(12) stime(13)
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+        usage[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return children, usage
+
+
+class TreeCpu:
+    """`own_cpu` for a bench whose descendants can die unreaped: Ray kills an actor, whose own
+    children (a vLLM engine process) are then re-parented, so their CPU never reaches any
+    ancestor's reaped-children count and `process_tree_cpu_s` would lose it, calling the bench's
+    own work foreign. A thread reads the tree every `every_s` seconds and keeps the last CPU it
+    saw of each process, gone or not. Only processes' own times are summed (a reaped child's
+    is in its parent's reaped count as well), so one that lived less than `every_s` unseen is
+    missed: the error is on the side of calling a run busy."""
+
+    def __init__(self, pid: int, every_s: float = 0.5) -> None:
+        import threading
+
+        self.pid, self.every_s = pid, every_s
+        self.seen: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.read()
+        threading.Thread(target=self._poll, name="tree-cpu", daemon=True).start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.read()
+
+    def read(self) -> float:
+        """The tree's CPU seconds so far, its dead members' included."""
+        children, usage = _processes()
+        todo, tree = [self.pid], []
+        while todo:
+            current = todo.pop()
+            tree.append(current)
+            todo += children.get(current, [])
+        with self._lock:
+            for pid in tree:
+                if pid in usage:
+                    self.seen[pid] = usage[pid]
+            # own times only: a reaped child's time is in its parent's reaped count too
+            return sum(self.seen.values())
+
+    def __call__(self) -> float:
+        return self.read()
+
+    def close(self) -> None:
+        """Stop the polling thread."""
+        self._stop.set()
 
 
 @dataclass

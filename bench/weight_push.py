@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from load import process_tree_cpu_s
+from load import TreeCpu
 from record import add_common_flags, bench_run, print_table, set_threads
 
 from agent_grpo.models.embedded import DEFAULT_MODEL
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ray's raylet and actors are this process's descendants: their CPU is the benchmark's own,
     # not other processes' load, so the window counts the whole process tree and closes
     # before Ray stops (workers orphaned at shutdown would leave the tree uncounted).
-    tree = lambda: process_tree_cpu_s(os.getpid())  # noqa: E731
+    tree = TreeCpu(os.getpid())  # killed actors' engine processes stay counted
     ray.init(num_cpus=max(2, args.workers), include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",

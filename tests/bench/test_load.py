@@ -73,6 +73,30 @@ def test_a_running_descendant_is_the_bench_s_own_when_the_window_counts_the_tree
     assert tree.foreign_cores < plain.foreign_cores - 0.45
 
 
+ORPHANING = [sys.executable, "-c", "import subprocess, sys, time\n"
+             "subprocess.Popen([sys.executable, '-c', 'import time\\nend = time.time() + 1.5\\n"
+             "while time.time() < end: pass'])\ntime.sleep(30)"]  # fmt: skip
+"""A parent that starts a 1.5 s burner and sleeps: killed, it leaves the burner re-parented,
+as a killed Ray actor leaves its vLLM engine process."""
+
+
+def test_a_descendant_orphaned_by_a_kill_stays_the_bench_s_own() -> None:
+    from load import TreeCpu, process_tree_cpu_s
+
+    tree = TreeCpu(os.getpid(), every_s=0.1)
+    before_tree, before_plain = tree(), process_tree_cpu_s(os.getpid())
+    parent = subprocess.Popen(ORPHANING)
+    time.sleep(1.0)  # the burner has burnt about 1 s by now, seen by the polling thread
+    parent.kill()
+    parent.wait()
+    time.sleep(1.0)  # the burner runs out, no longer below this process
+    gained_tree = tree() - before_tree
+    gained_plain = process_tree_cpu_s(os.getpid()) - before_plain
+    tree.close()
+    assert gained_plain < 0.5  # the orphan's CPU left the tree with it
+    assert gained_tree > 0.6  # kept: seen before the kill
+
+
 def _busy_train_result() -> dict[str, object]:
     machine = {"cpu_model": "AMD EPYC", "cpu_count": 2, "usable_cores": 2, "memory_gb": 23.5,
                "torch_threads": 2, "torch": "2.13.0+cpu", "transformers": "5.19.0",
