@@ -66,12 +66,11 @@ def own_cpu_s() -> float:
     return total
 
 
-def process_tree_cpu_s(pid: int) -> float:
-    """CPU seconds a running process and its running descendants have used so far (from
-    `/proc/PID/stat`), for a burst span before the process is reaped; 0 for one that is gone."""
+def _processes() -> tuple[dict[int, list[int]], dict[int, tuple[float, float]]]:
+    """Every process's children, and its own and its reaped children's CPU seconds."""
     tick = os.sysconf("SC_CLK_TCK")
     children: dict[int, list[int]] = {}
-    usage: dict[int, float] = {}
+    usage: dict[int, tuple[float, float]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -81,31 +80,21 @@ def process_tree_cpu_s(pid: int) -> float:
             continue
         # after the name: state ppid ... utime(12) stime(13) cutime(14) cstime(15)
         children.setdefault(int(fields[1]), []).append(int(entry.name))
-        usage[int(entry.name)] = sum(int(v) for v in fields[11:15]) / tick
+        own = (int(fields[11]) + int(fields[12])) / tick
+        usage[int(entry.name)] = (own, (int(fields[13]) + int(fields[14])) / tick)
+    return children, usage
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """CPU seconds a running process and its running descendants have used so far (from
+    `/proc/PID/stat`), for a burst span before the process is reaped; 0 for one that is gone."""
+    children, usage = _processes()
     total, todo = 0.0, [pid]
     while todo:
         current = todo.pop()
-        total += usage.get(current, 0.0)
+        total += sum(usage.get(current, (0.0, 0.0)))
         todo += children.get(current, [])
     return total
-
-
-def _processes() -> tuple[dict[int, list[int]], dict[int, float]]:
-    """Every process's children, and its own CPU seconds (its reaped children's not)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    children: dict[int, list[int]] = {}
-    usage: dict[int, float] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # after the name: state ppid ... utime(12) stime(13)
-        children.setdefault(int(fields[1]), []).append(int(entry.name))
-        usage[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
-    return children, usage
 
 
 class TreeCpu:
@@ -142,7 +131,7 @@ class TreeCpu:
         with self._lock:
             for pid in tree:
                 if pid in usage:
-                    self.seen[pid] = usage[pid]
+                    self.seen[pid] = usage[pid][0]
             # own times only: a reaped child's time is in its parent's reaped count too
             return sum(self.seen.values())
 
