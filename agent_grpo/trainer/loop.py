@@ -78,6 +78,9 @@ from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = ["train", "train_step"]
 
+_KEPT_UNTIL_EXIT: list[object] = []
+"""A distributed run's objects, never freed before the rank's process ends (see `train`)."""
+
 
 def train_step(
     config: TrainConfig,
@@ -266,6 +269,11 @@ def train(
     assert path is not None, "rank 0 always opens the run"
     if ctx.distributed:  # rank 0 may still be evaluating: tear down together
         dist.barrier()
+        # Freed at this return, the DDP reducer (which holds the gloo group) would destroy the
+        # group with the GIL held, joining a gloo thread that may still need the GIL to drop the
+        # barrier's work: a deadlock (seen in CI, both stacks in a dump). A torchrun rank ends
+        # through `end_rank`, which skips that teardown, so the run's objects live until then.
+        _KEPT_UNTIL_EXIT.append(start)
         dist.destroy_process_group()
     return path
 
