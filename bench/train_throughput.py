@@ -393,7 +393,13 @@ def model_shapes() -> tuple[list[tuple[int, int]], int, int, int]:
     return layer, c.num_hidden_layers, params, c.vocab_size
 
 
-def _best_of(fn: Any, repeats: int = 5) -> float:
+BEST_OF = 5
+"""Timed calls per ceiling kernel (the best kept); 1 in a `--quick` run, whose ceiling is a
+smoke test (it took 200 of the quick run's 230 s at 5)."""
+
+
+def _best_of(fn: Any, repeats: int | None = None) -> float:
+    repeats = BEST_OF if repeats is None else repeats
     fn()
     times = []
     for _ in range(repeats):
@@ -491,6 +497,7 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
              "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
              "--steps", str(args.steps), "--beta", str(args.beta), "--lr", str(args.lr),
              "--seed", str(args.seed), "--algo", args.algo]  # fmt: skip
+    flags += ["--quick"] if args.quick else []
     env = child_env(args.threads)
     # glibc's own allocator settings, as a user runs: the low mmap threshold `child_env` sets for
     # exact memory windows makes every large tensor a fresh mmap, which slows the update through
@@ -635,10 +642,12 @@ def print_results(sides: dict[str, dict[str, Any]], ceiling: dict[str, Any]) -> 
 
 def main(argv: list[str] | None = None) -> None:
     """Measure each side in its own process, alternating, and write the results."""
+    global BEST_OF
     args = parse_args(argv)
     set_threads(args.threads)
     if args.worker:
         exit_on_sigterm()
+        BEST_OF = 1 if args.quick else BEST_OF
         torch.manual_seed(args.seed)
         workers = {"trl": worker_trl, "ceiling": worker_ceiling}
         result = workers.get(args.worker, worker_ours)(args)
