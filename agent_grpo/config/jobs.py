@@ -40,6 +40,7 @@ __all__ = [
     "SpeedConfig",
     "TrackerName",
     "TrainConfig",
+    "TrainEvalConfig",
     "VLLMBackendConfig",
     "WarmStartConfig",
 ]
@@ -146,6 +147,17 @@ class EvalConfig(ConfigModel):
     """Most tokens per assistant turn."""
 
 
+class TrainEvalConfig(EvalConfig):
+    """Held-out evaluation in a training run: before it, after the warm start, at its end, and
+    every `every` steps between."""
+
+    every: int = Field(default=0, ge=0)
+    """Also evaluate after every this many GRPO steps (the policy those steps trained); the
+    figures join that step's row of `metrics.jsonl` under the final evaluation's names
+    (`eval_success_rate`, `eval_pass_at_k`, ...), so a run's held-out curve is one column. 0:
+    only before and after training. Each evaluation costs what the final one does."""
+
+
 class DistributedConfig(ConfigModel):
     """Data-parallel training under `torchrun` (docs/scaling.md)."""
 
@@ -234,8 +246,9 @@ class TrainConfig(ConfigModel):
     """Extra reward sources added to the verifier's reward, each with a weight."""
     warm_start: WarmStartConfig | None = None
     """Supervised warm start before GRPO; None skips it."""
-    eval: EvalConfig | None = EvalConfig()
-    """Held-out evaluation before and after training; None skips it."""
+    eval: TrainEvalConfig | None = TrainEvalConfig()
+    """Held-out evaluation before and after training (and every `eval.every` steps); None
+    skips it."""
     run: RunConfig = RunConfig()
     """Output location and checkpointing."""
     distributed: DistributedConfig = DistributedConfig()

@@ -224,6 +224,13 @@ def _annotate(
         record.set_row_logprobs(r.branch, row(trainer_pi_old, b, n), ref)
 
 
+def heldout_due(config: TrainConfig, step: int) -> bool:
+    """Whether the held-out evaluation runs after `step` (`eval.every`); the last step's is the
+    final evaluation."""
+    every = config.eval.every if config.eval is not None else 0
+    return every > 0 and (step + 1) % every == 0 and step + 1 < config.steps
+
+
 def checkpoint_due(config: TrainConfig, done: int, saved_at: float) -> bool:
     """Whether to checkpoint after `done` steps: at the end, every `checkpoint_every` steps, and
     once `checkpoint_every_s` seconds have passed since the last save (rank 0's clock decides)."""
@@ -294,6 +301,10 @@ def _loop(
     try:
         for step in range(state.step, config.steps):
             metrics, records = train_step(config, trainer, step, max_tokens, progress)
+            if heldout_due(config, step) and trainer.backend is not None:
+                progress.phase(f"step {step}: held-out eval")
+                metrics.heldout = run_eval(config, trainer.backend, trainer.tokenizer,
+                                           trainer.stop, f"after step {step}")  # fmt: skip
             if run is not None:
                 record_step(run, config, metrics, records, trackers)
                 watch.see(metrics)

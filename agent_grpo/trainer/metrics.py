@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from agent_grpo.algo.groups import counts_in_group, dead_group_mask, group_indices
 from agent_grpo.algo.grpo import PolicyLossMetrics
+from agent_grpo.evaluation.heldout import EvalResult
 from agent_grpo.rollout.collector import RolloutResult
 from agent_grpo.rollout.summary import TrajectorySummary, summarize_trajectories
 from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
@@ -384,12 +385,17 @@ class StepMetrics(BaseModel):
     (`rollout.partial`; 0 otherwise)."""
     worker_failures: int
     """Rollout workers that died during the step (their groups were sent to another)."""
+    heldout: EvalResult | None = None
+    """The held-out evaluation after this step (`eval.every`), written under the final
+    evaluation's names (`eval_success_rate`, ...); None on the steps without one."""
 
     def row(self) -> dict[str, float | int | None]:
         """The flat `metrics.jsonl` row: every field of every part under its own name."""
         out: dict[str, float | int | None] = {}
         for name, value in self:
-            if isinstance(value, BaseModel):
+            if name == "heldout":
+                out.update(value.row() if value is not None else {})
+            elif isinstance(value, BaseModel):
                 out.update(value.model_dump())
             elif name == "reward_means":
                 out.update({f"rewards/{k}/mean": v for k, v in value.items()})

@@ -55,7 +55,10 @@ def grouped_name(key: str) -> str:
     """The tracker name of a flat `metrics.jsonl` key: `reward/*` (the rollout's rewards and
     each component's mean), `loss/*` (the loss and its KL terms), `update/*` (the rest of the
     policy update), `signal/*`, `mismatch/*` (sampler vs trainer, the canary), `timing/*`
-    (seconds and throughput) and `rollout/*` (what the episodes did, env and worker counts)."""
+    (seconds and throughput), `eval/*` (a held-out evaluation's, `eval.every`) and `rollout/*`
+    (what the episodes did, env and worker counts)."""
+    if key.startswith("eval_"):
+        return "eval/" + key.removeprefix("eval_")
     if key.startswith("rewards/"):
         return "reward/" + key.removeprefix("rewards/")
     if key.startswith("staleness/"):

@@ -129,3 +129,30 @@ def test_partial_rollouts_train_a_carried_episodes_turns_only_within_the_bound(
     stale = next(t for t in line.record.turns if t.policy_version != line.record.step)
     line.record.old_logprobs[stale.token_start] = -1.0  # type: ignore[index]
     assert any("but was trained" in p for p in record_problems(lines, facts))
+
+
+@pytest.mark.parametrize(
+    ("every", "steps", "due"),
+    [(0, 4, []), (1, 4, [0, 1, 2]), (2, 5, [1, 3]), (2, 4, [1]), (5, 4, [])],
+)
+def test_held_out_evaluations_fall_every_n_steps_and_leave_the_last_to_the_final_one(
+    every: int, steps: int, due: list[int]
+) -> None:
+    from agent_grpo.config.jobs import TrainConfig
+    from agent_grpo.trainer.loop import heldout_due
+
+    config = TrainConfig.model_validate({"steps": steps, "eval": {"every": every}})
+    assert [s for s in range(steps) if heldout_due(config, s)] == due
+    assert not heldout_due(TrainConfig.model_validate({"steps": steps, "eval": None}), 0)
+
+
+def test_a_held_out_evaluation_joins_its_steps_row_of_metrics(tmp_path, tiny_model_dir) -> None:
+    evaluate = "eval={tasks: 2, samples: 2, max_tokens: 8, temperature: 1.0, every: 1}"
+    run = tiny_train(tmp_path, tiny_model_dir, EVEN, "run.name=heldout", "steps=3", evaluate)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r["step"] for r in rows if "eval_success_rate" in r]
+    assert evaluated == [0, 1, 3]  # after steps 0 and 1, then the final evaluation's own row
+    for row in rows:
+        if "eval_success_rate" in row:
+            assert row["eval_tasks"] == 2 and row["eval_samples_per_task"] == 2
+            assert 0.0 <= row["eval_success_rate"] <= row["eval_pass_at_k"] <= 1.0

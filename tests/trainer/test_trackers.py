@@ -31,7 +31,17 @@ def _tiny(tmp_path: Path, model_dir: Path, *settings: str) -> list[str]:
             "warm_start=null", *settings]  # fmt: skip
 
 
-GROUPS = {"reward", "loss", "update", "signal", "mismatch", "timing", "rollout"}
+GROUPS = {"reward", "loss", "update", "signal", "mismatch", "timing", "rollout", "eval"}
+
+
+def heldout_row() -> list[str]:
+    """The flat names a held-out evaluation adds to its step's row (`eval.every`)."""
+    from agent_grpo.evaluation.heldout import EvalResult
+    from agent_grpo.rollout.summary import summarize_trajectories
+
+    result = EvalResult(tasks=1, samples_per_task=2, pass_at_k=0.5, pass_at={1: 0.5, 2: 0.5},
+                        summary=summarize_trajectories([]))  # fmt: skip
+    return list(result.row())
 
 
 def _installed(module: str) -> pytest.MarkDecorator:
@@ -69,6 +79,7 @@ GROUPED_NAMES = [
     ("mismatch_staleness/1", "mismatch/staleness/1"),
     ("mismatch_cause/dtype", "mismatch/cause/dtype"),
     ("worker_failures", "rollout/worker_failures"),
+    ("eval_success_rate", "eval/success_rate"),
 ]
 """Flat metric names and the grouped names trackers show them under."""
 
@@ -78,11 +89,11 @@ def test_every_flat_key_gets_a_group_and_names_stay_distinct() -> None:
     flat = [k for k in fields if k not in {"rollout", "signal", "mismatch", "update", "times"}]
     for part in ("rollout", "signal", "mismatch", "update", "times"):
         flat += list(fields[part].annotation.model_fields)  # type: ignore[union-attr]
-    flat = [k for k in flat if k not in {"step", "reward_means", "staleness",
+    flat = [k for k in flat if k not in {"step", "reward_means", "staleness", "heldout",
                                          "mismatch_by_staleness", "mismatch_causes"}]  # fmt: skip
     flat += ["rewards/verifier/mean", "rewards/even/mean", "staleness/0", "staleness/2",
              "mismatch_staleness/0", "mismatch_staleness/1", "mismatch_cause/filter",
-             "mismatch_cause/kernels"]  # fmt: skip
+             "mismatch_cause/kernels", *heldout_row()]  # fmt: skip
     names = [grouped_name(k) for k in flat]
     assert len(set(names)) == len(names)
     assert {n.split("/")[0] for n in names} == GROUPS
