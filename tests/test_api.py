@@ -4,8 +4,6 @@ takes every config form, and `import agent_grpo` stays light."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from agent_grpo.config.base import ConfigError
 from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.run_dir.reader import Run, load_run
 from agent_grpo.run_dir.writer import RunWriter
+from agent_grpo.testing.cli_runs import fresh_python
 from agent_grpo.testing.records import calculator_record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,8 +63,7 @@ def test_import_agent_grpo_is_light_and_api_names_resolve() -> None:
         "from agent_grpo import evaluate, train\n"
         "assert train is agent_grpo.train and evaluate is agent_grpo.evaluate\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    fresh_python(script)
 
 
 def test_train_is_the_api_function(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

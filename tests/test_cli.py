@@ -4,12 +4,11 @@ subcommands show the help of their own modules."""
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 
 import pytest
 
 from agent_grpo import cli
+from agent_grpo.testing.cli_runs import fresh_python
 
 
 def _subcommand_help(parser: argparse.ArgumentParser) -> dict[str, str | None]:
@@ -30,9 +29,8 @@ def test_help_imports_no_torch_transformers_or_matplotlib() -> None:
         "heavy = sorted({'torch', 'transformers', 'matplotlib', 'pandas'} & set(sys.modules))\n"
         "assert not heavy, f'agent-grpo --help imported {heavy}'\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "replay" in done.stdout and "conform" in done.stdout
+    out = fresh_python(script)
+    assert "replay" in out and "conform" in out
 
 
 @pytest.mark.parametrize("command", sorted(cli.LAZY_COMMANDS))

@@ -33,9 +33,9 @@ from agent_grpo.preflight import (
     resolve_env,
     same_observation,
 )
+from agent_grpo.testing.cli_runs import TINY_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "configs" / "calculator-tiny.yaml"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +276,7 @@ def test_each_config_mistake_is_one_line_and_makes_no_run_dir(
     overrides = [o.replace("{checkpoint}", checkpoint) for o in overrides]
     runs = tmp_path / "runs"
     done = agent_grpo(
-        tmp_path, "train", str(TINY), f"model.name_or_path={tiny_model_dir}",
+        tmp_path, "train", str(TINY_CONFIG), f"model.name_or_path={tiny_model_dir}",
         f"run.root={runs}", *overrides,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
@@ -300,7 +300,9 @@ def test_eval_checks_before_loading_too(tmp_path: Path, tiny_model_dir: Path) ->
 
 
 def test_train_runs_the_preflight_before_making_a_run_dir(tmp_path: Path) -> None:
-    config = load_config(TrainConfig, TINY, [f"run.root={tmp_path / 'runs'}", "env.id=Calc-v0"])
+    config = load_config(
+        TrainConfig, TINY_CONFIG, [f"run.root={tmp_path / 'runs'}", "env.id=Calc-v0"]
+    )
     from agent_grpo.trainer.loop import train
 
     with pytest.raises(PreflightError, match=r"env\.id 'Calc-v0'"):
@@ -502,8 +504,8 @@ def test_an_expert_that_raises_is_one_line_naming_its_line() -> None:
 def test_preflight_train_plays_the_expert_only_with_a_warm_start() -> None:
     overrides = [f"env.id={here('NoExpertEnv')}"]
     with pytest.raises(PreflightError, match="warm_start imitates the env's scripted expert"):
-        preflight_train(load_config(TrainConfig, TINY, overrides))
-    preflight_train(load_config(TrainConfig, TINY, [*overrides, "warm_start=null"]))
+        preflight_train(load_config(TrainConfig, TINY_CONFIG, overrides))
+    preflight_train(load_config(TrainConfig, TINY_CONFIG, [*overrides, "warm_start=null"]))
 
 
 def test_an_mcp_server_that_cannot_start_is_one_line_naming_its_key() -> None:
@@ -618,7 +620,7 @@ LLAMA31 = "<|start_header_id|>{{ 'Environment: ipython' }}{{ '<|python_tag|>' }}
 
 
 def test_auto_binds_hermes_for_the_embedded_chatml_model() -> None:
-    config = load_config(TrainConfig, TINY)
+    config = load_config(TrainConfig, TINY_CONFIG)
     preflight_train(config)
     assert config.env.kwargs["tool_call_format"] == "hermes"
     preflight_train(config)  # a second preflight (a config read back from config.yaml) agrees
@@ -673,7 +675,7 @@ def test_an_env_without_tools_takes_no_format() -> None:
 
 def test_an_unknown_format_name_is_refused_when_the_config_loads() -> None:
     with pytest.raises(ConfigError) as error:
-        load_config(TrainConfig, TINY, ["model.tool_format=gpt"])
+        load_config(TrainConfig, TINY_CONFIG, ["model.tool_format=gpt"])
     assert str(error.value).endswith(
         "model.tool_format: unknown tool-call format 'gpt'; known formats: auto, deepseek_v3, "
         "harmony, hermes, llama3, mistral, mistral_v11, qwen3_coder"

@@ -33,7 +33,7 @@ from agent_grpo.rollout.backends.factory import EngineLimits, build_backend, bui
 from agent_grpo.rollout.backends.vllm import VLLMBackend
 from agent_grpo.rollout.config import BackendConfig, VLLMBackendConfig
 
-__all__ = ["EngineWeights", "load_into_model", "start_engine"]
+__all__ = ["EngineSpec", "EngineWeights", "load_into_model", "start_engine"]
 
 
 class EngineWeights(Protocol):
@@ -120,28 +120,38 @@ class VLLMWeights:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def start_engine(
-    model_path: str,
-    backend: BackendConfig,
-    tokenizer: object,
-    limits: EngineLimits,
-    dtype: str = "float32",
-    lora: LoraSettings | None = None,
-    adapters: int = 1,
-) -> tuple[GenerationBackend, EngineWeights]:
-    """A worker's backend over the model at `model_path` (with `lora`, the base model under a
-    fresh adapter, whose values the first push sets) and where its pushes go. A vLLM engine
-    with LoRA keeps `adapters` versions loaded."""
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a rollout worker's engine is built from (the pool hands each actor one)."""
+
+    model_path: str
+    """The model's directory or hub id."""
+    backend: BackendConfig
+    """Which engine samples (`hf` or `vllm`) and its settings."""
+    limits: EngineLimits
+    """Context and token limits the engine is sized for."""
+    dtype: str = "float32"
+    """The torch dtype an `hf` engine loads the model in."""
+    lora: LoraSettings | None = None
+    """With LoRA, the adapter the pushes carry (the base model stays as loaded)."""
+    adapters: int = 1
+    """How many adapter versions a vLLM engine with LoRA keeps loaded."""
+
+
+def start_engine(spec: EngineSpec, tokenizer: object) -> tuple[GenerationBackend, EngineWeights]:
+    """A worker's backend over `spec`'s model (with `lora`, the base model under a fresh
+    adapter, whose values the first push sets) and where its pushes go."""
+    backend, lora = spec.backend, spec.lora
     if isinstance(backend, VLLMBackendConfig):
         if lora is not None:
-            kwargs = {**backend.engine_kwargs, **vllm_lora_args(lora, adapters)}
+            kwargs = {**backend.engine_kwargs, **vllm_lora_args(lora, spec.adapters)}
             backend = backend.model_copy(update={"engine_kwargs": kwargs})
-        vllm = build_vllm(backend, model_path, limits)
-        return vllm, VLLMWeights(vllm, lora, keep=adapters)
-    model = load_model(model_path, dtype=getattr(torch, dtype))
+        vllm = build_vllm(backend, spec.model_path, spec.limits)
+        return vllm, VLLMWeights(vllm, lora, keep=spec.adapters)
+    model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype))
     if lora is not None:
         from peft import get_peft_model
 
         model = get_peft_model(model, lora_config(lora))
-    engine = build_backend(backend, model, tokenizer, model_path, None, limits)
+    engine = build_backend(backend, model, tokenizer, spec.model_path, None, spec.limits)
     return engine, ModelWeights(model, engine, adapter=lora is not None)

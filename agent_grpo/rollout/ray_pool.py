@@ -49,7 +49,7 @@ from agent_grpo.rollout.collector import (
     group_id_of,
 )
 from agent_grpo.rollout.config import BackendConfig, HFBackendConfig, RolloutConfig
-from agent_grpo.rollout.engine_weights import start_engine
+from agent_grpo.rollout.engine_weights import EngineSpec, start_engine
 from agent_grpo.rollout.partial import PartialCollector, StreamTask, TaskStream
 from agent_grpo.rollout.weight_sync import (
     GroupAddress,
@@ -128,20 +128,9 @@ class RolloutWorker:
     holds). Calls run one at a time in order, except those of the `weights` concurrency group
     (joining the weight group, receiving a broadcast), which run beside a collection."""
 
-    def __init__(
-        self,
-        model_path: str,
-        backend: BackendConfig,
-        collector: CollectOptions,
-        limits: EngineLimits,
-        dtype: str = "float32",
-        lora: LoraSettings | None = None,
-        adapters: int = 1,
-    ) -> None:
-        self.tokenizer = load_tokenizer(model_path)
-        self.backend, self.weights = start_engine(
-            model_path, backend, self.tokenizer, limits, dtype, lora, adapters
-        )
+    def __init__(self, engine: EngineSpec, collector: CollectOptions) -> None:
+        self.tokenizer = load_tokenizer(engine.model_path)
+        self.backend, self.weights = start_engine(engine, self.tokenizer)
         self.collector = collector
         self.version = 0
         """The policy version of the weights this worker samples with (see `update_weights`)."""
@@ -306,10 +295,9 @@ class RayRolloutPool:
             num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker,
             resources=dict(resources or {}), concurrency_groups={WEIGHTS_GROUP: 1},
         )(RolloutWorker)  # fmt: skip
-        arguments = (model_path, backend or HFBackendConfig(), self.collector, limits, dtype,
-                     lora, adapters)  # fmt: skip
+        engine = EngineSpec(model_path, backend or HFBackendConfig(), limits, dtype, lora, adapters)
         spread = actor.options(scheduling_strategy="SPREAD")
-        self.workers = [spread.remote(*arguments) for _ in range(num_workers)]
+        self.workers = [spread.remote(engine, self.collector) for _ in range(num_workers)]
         self.weight_sync = weight_sync
         self.actor_gpus = num_gpus_per_worker
         self.sender: WeightSender | None = None

@@ -1,5 +1,5 @@
-"""Running the CLI in tests: `agent-grpo` as a subprocess, the replay/inspect parsers in-process,
-and reading the metrics a run wrote."""
+"""Running the CLI in tests: `agent-grpo` (or a script) as a subprocess, the replay/inspect
+parsers in-process, and reading the metrics a run wrote."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ __all__ = [
     "TINY_CONFIG",
     "agent_grpo",
     "deterministic",
+    "fresh_python",
     "inspect_cli",
     "metrics",
     "tiny_train",
@@ -62,6 +63,14 @@ def agent_grpo(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         f"agent-grpo {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
     )
     return done
+
+
+def fresh_python(script: str) -> str:
+    """Run `python -c SCRIPT` in a fresh interpreter (nothing imported yet, so a script can check
+    what an import pulls in); its stdout, failing the test with its stderr unless it exits 0."""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def metrics(run: Path) -> list[dict[str, float]]:

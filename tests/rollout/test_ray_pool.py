@@ -93,15 +93,21 @@ FP32_GEMM_RTOL = 16 * torch.finfo(torch.float32).eps
 reduction by thread count: a logprob of magnitude 11 came back 1.9e-6 (1.5 eps relative) apart."""
 
 
-def assert_same_trajectories(got: list[TrajectoryRecord], want: list[TrajectoryRecord]) -> None:
-    """Same ids, provenance, messages and groups; sampler logprobs within fp32 rounding."""
+def assert_same_trajectories(
+    got: list[TrajectoryRecord],
+    want: list[TrajectoryRecord],
+    rtol: float = FP32_GEMM_RTOL,
+    atol: float = 1e-6,
+) -> None:
+    """Same ids, provenance, messages and groups; sampler logprobs within `rtol` and `atol`
+    (by default, fp32 rounding)."""
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         assert without_timings(g) == without_timings(w), w.uid
         ours = [float("nan") if v is None else v for v in g.sampler_logprobs]
         theirs = [float("nan") if v is None else v for v in w.sampler_logprobs]
         torch.testing.assert_close(
-            torch.tensor(ours), torch.tensor(theirs), rtol=FP32_GEMM_RTOL, atol=1e-6, equal_nan=True
+            torch.tensor(ours), torch.tensor(theirs), rtol=rtol, atol=atol, equal_nan=True
         )
 
 
@@ -222,14 +228,8 @@ def vllm_collection(backend: Any, tokenizer: Any, step: int) -> list[TrajectoryR
 
 
 def assert_close_trajectories(got: list[TrajectoryRecord], want: list[TrajectoryRecord]) -> None:
-    """Same ids, provenance, messages and groups; sampler logprobs within `VLLM_ATOL`."""
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        assert without_timings(g) == without_timings(w), w.uid
-        ours = [float("nan") if v is None else v for v in g.sampler_logprobs]
-        theirs = [float("nan") if v is None else v for v in w.sampler_logprobs]
-        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0,
-                                   atol=VLLM_ATOL, equal_nan=True)  # fmt: skip
+    """`assert_same_trajectories` with sampler logprobs within `VLLM_ATOL`."""
+    assert_same_trajectories(got, want, rtol=0, atol=VLLM_ATOL)
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +251,15 @@ def local_vllm(llama_dir: Path) -> Any:
     backend.close()
 
 
+def vllm_pool(workers: int, llama_dir: Path, **options: Any) -> Any:
+    """A pool of vLLM actors with `local_vllm`'s settings, so their collections compare."""
+    from agent_grpo.rollout.ray_pool import RayRolloutPool
+
+    return RayRolloutPool(
+        workers, str(llama_dir), VLLM_CONFIG, COLLECTOR, limits=VLLM_LIMITS, **options
+    )
+
+
 def perturbed(model_dir: Path, seed: int) -> torch.nn.Module:
     """The saved model with every weight moved by noise of 0.02 (new weights to push)."""
     model = load_model(model_dir)
@@ -266,11 +275,7 @@ def perturbed(model_dir: Path, seed: int) -> torch.nn.Module:
 def test_vllm_actors_match_a_local_vllm_collection_before_and_after_a_push(
     ray_local: Any, llama_dir: Path, local_vllm: Any, tokenizer: Any
 ) -> None:
-    from agent_grpo.rollout.ray_pool import RayRolloutPool
-
-    pool = RayRolloutPool(2, str(llama_dir), VLLM_CONFIG, COLLECTOR, limits=VLLM_LIMITS,
-                          weight_sync="broadcast")  # fmt: skip
-    with pool:
+    with vllm_pool(2, llama_dir, weight_sync="broadcast") as pool:
         before = vllm_collection(local_vllm, tokenizer, 3)
         for worker in (0, 1):
             assert_close_trajectories(whole_collection(pool, worker), before)
@@ -348,12 +353,9 @@ def test_a_vllm_lora_worker_samples_what_the_merged_weights_sample(
     ray_local: Any, llama_dir: Path, local_vllm: Any, tokenizer: Any
 ) -> None:
     from agent_grpo.rollout.adapters import adapter_state
-    from agent_grpo.rollout.ray_pool import RayRolloutPool
     from agent_grpo.trainer.lora import merged_copy
 
-    pool = RayRolloutPool(1, str(llama_dir), VLLM_CONFIG, COLLECTOR, limits=VLLM_LIMITS,
-                          lora=LORA, adapters=2)  # fmt: skip
-    with pool:
+    with vllm_pool(1, llama_dir, lora=LORA, adapters=2) as pool:
         for version in (1, 2):
             policy = with_adapter(load_model(llama_dir), seed=version)
             pool.update_weights(adapter_state(policy), version)

@@ -12,6 +12,7 @@ from agent_grpo.config.base import ConfigError, load_config
 from agent_grpo.config.jobs import EnvConfig, EvalRunConfig, TrainConfig
 from agent_grpo.preflight import PreflightError, check_env, preflight_eval, preflight_train
 from agent_grpo.sandbox import runner as sandbox
+from agent_grpo.testing.cli_runs import TINY_CONFIG
 from agent_grpo.tools.python import python
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ def no_bwrap(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("no_bwrap")
 def test_train_and_eval_of_a_sandboxed_env_are_refused_in_one_line(tiny_model_dir: Path) -> None:
     overrides = [f"model.name_or_path={tiny_model_dir}", f"env.id={SANDBOXED_ENV}"]
-    train = load_config(TrainConfig, ROOT / "configs" / "calculator-tiny.yaml", overrides)
+    train = load_config(TrainConfig, TINY_CONFIG, overrides)
     evaluate = load_config(EvalRunConfig, ROOT / "configs" / "eval-calculator.yaml", overrides)
     for preflight, config in ((preflight_train, train), (preflight_eval, evaluate)):
         with pytest.raises(PreflightError) as refused:

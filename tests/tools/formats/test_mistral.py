@@ -20,12 +20,11 @@ from agent_grpo.tools.formats import (
     MistralToolCallFormat,
     MistralV11ToolCallFormat,
     ParsedToolCall,
-    ToolCallFormat,
+    get_tool_format,
     parse_tool_calls,
 )
 
 LIST, V11 = MistralToolCallFormat(), MistralV11ToolCallFormat()
-FORMATS: dict[str, ToolCallFormat] = {"mistral": LIST, "mistral_v11": V11}
 
 
 def test_render_call_writes_each_layout() -> None:
@@ -77,7 +76,7 @@ BROKEN = {
 @pytest.mark.parametrize("key", sorted(BROKEN), ids="/".join)
 def test_what_the_parser_refuses(key: tuple[str, str]) -> None:
     text, needle = BROKEN[key]
-    assert_refused(FORMATS[key[0]].parse(text), needle)
+    assert_refused(get_tool_format(key[0]).parse(text), needle)
 
 
 def test_render_tools_is_the_available_tools_block() -> None:
