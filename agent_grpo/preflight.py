@@ -53,7 +53,13 @@ import numpy as np
 from gymnasium.envs.registration import EnvSpec
 
 from agent_grpo.config.base import ConfigError, close_match
-from agent_grpo.config.jobs import EnvConfig, EvalRunConfig, ModelConfig, TrainConfig
+from agent_grpo.config.jobs import (
+    BackendConfig,
+    EnvConfig,
+    EvalRunConfig,
+    ModelConfig,
+    TrainConfig,
+)
 from agent_grpo.envs.registry import TOOL_FORMAT_KWARG, env_spec, make_env
 from agent_grpo.envs.text_env import (
     HELDOUT_SEEDS,
@@ -63,6 +69,7 @@ from agent_grpo.envs.text_env import (
     read_turn_reward,
 )
 from agent_grpo.models.loading import check_model_source, load_tokenizer, resolve_model_path
+from agent_grpo.rollout.config import RayWorkers
 from agent_grpo.sandbox.runner import sandbox_refusal
 from agent_grpo.tools.formats.registry import AUTO, get_tool_format, tool_format_for
 from agent_grpo.tools.mcp_client import McpServerError
@@ -103,6 +110,9 @@ def preflight_train(config: TrainConfig) -> None:
     """Everything `agent-grpo train` can check before loading a model or making a run dir;
     binds the tool-call format into `config.env.kwargs`."""
     check_model_source(config.model.name_or_path)
+    workers = config.rollout.workers
+    gpus = workers.num_gpus_per_worker if isinstance(workers, RayWorkers) else None
+    check_engine(config.rollout.backend, config.model.name_or_path, gpus)
     bind_tool_format(config.model, config.env)
     check_env(config.env, expert=config.warm_start is not None)
 
@@ -111,8 +121,40 @@ def preflight_eval(config: EvalRunConfig) -> None:
     """Everything `agent-grpo eval` can check before loading a model or making a run dir;
     binds the tool-call format into `config.env.kwargs`."""
     check_model_source(config.model.name_or_path)
+    check_engine(config.backend, config.model.name_or_path)
     bind_tool_format(config.model, config.env)
     check_env(config.env)
+
+
+def check_engine(backend: BackendConfig, name_or_path: str, gpus: float | None = None) -> None:
+    """A vllm engine that will run on CPU can run the model's attention. `gpus`: each Ray
+    actor's GPUs (None: the engine is in this process, on CPU when torch sees no GPU)."""
+    if backend.type != "vllm":
+        return
+    import torch
+
+    if torch.cuda.is_available() if gpus is None else gpus > 0:  # other attention kernels
+        return
+    found = _model_config_json(name_or_path)
+    if found is None:
+        return
+    from agent_grpo.rollout.backends.vllm import cpu_head_size_problem
+
+    problem = cpu_head_size_problem(json.loads(found.read_text()), name_or_path)
+    if problem is not None:
+        raise PreflightError(problem)
+
+
+def _model_config_json(name_or_path: str) -> Path | None:
+    """The model's `config.json`: in its directory, or the hub cache's copy; None if neither."""
+    source = resolve_model_path(name_or_path)
+    if Path(source).is_dir():
+        path = Path(source) / "config.json"
+        return path if path.is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(source, "config.json")
+    return Path(cached) if isinstance(cached, str) else None
 
 
 def check_env(env: EnvConfig, expert: bool = False) -> None:

@@ -259,6 +259,10 @@ MISTAKES = {
         ["env.id=preflight_envs:SolvedRaisingVerifierEnv"],
         "(warm_start imitates it) raised KeyError: 'right' (at {cwd}/preflight_envs.py:",
     ),
+    "vllm-head-size": (  # the tiny model's heads of 16, which vLLM's CPU kernels do not take
+        ["rollout.backend={type: vllm}"],
+        "its attention head size is 16, and this vLLM's CPU attention takes 32, 64,",
+    ),
     "mcp-command": (
         ["env.id=agent_grpo/Notes-v0", "env.kwargs={mcp_server: {command: [no-such-mcp-server]}}"],
         "error: env.kwargs.mcp_server: could not start the MCP server: FileNotFoundError",
@@ -297,6 +301,34 @@ def test_eval_checks_before_loading_too(tmp_path: Path, tiny_model_dir: Path) ->
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
     assert done.stderr.startswith("error: env.kwargs {'num_ops': 0} of agent_grpo/Calculator-v0:")
     assert not runs.exists()
+
+
+@pytest.mark.parametrize(
+    ("config", "size"),
+    [
+        ({"head_dim": 64, "hidden_size": 576, "num_attention_heads": 3}, 64),  # head_dim wins
+        ({"hidden_size": 576, "num_attention_heads": 9}, 64),
+        ({"text_config": {"head_dim": 256}, "hidden_size": 8}, 256),  # a multimodal model's text
+        ({"vocab_size": 10}, None),
+    ],
+)
+def test_a_models_head_size_is_read_from_its_config(config: dict[str, Any], size: int) -> None:
+    from agent_grpo.rollout.backends.vllm import model_head_size
+
+    assert model_head_size(config) == size
+
+
+def test_only_a_vllm_engine_on_cpu_is_held_to_vllms_cpu_head_sizes(
+    tiny_model_dir: Path, embedded_model_dir: Path
+) -> None:
+    from agent_grpo.config.jobs import HFBackendConfig, VLLMBackendConfig
+    from agent_grpo.preflight import check_engine
+
+    check_engine(VLLMBackendConfig(), str(embedded_model_dir))  # heads of 64
+    check_engine(HFBackendConfig(), str(tiny_model_dir))  # heads of 16: the hf engine runs them
+    check_engine(VLLMBackendConfig(), str(tiny_model_dir), gpus=1)  # Ray actors on GPUs
+    with pytest.raises(PreflightError, match="attention head size is 16"):
+        check_engine(VLLMBackendConfig(), str(tiny_model_dir), gpus=0)
 
 
 def test_train_runs_the_preflight_before_making_a_run_dir(tmp_path: Path) -> None:

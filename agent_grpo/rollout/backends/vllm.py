@@ -47,6 +47,8 @@ __all__ = [
     "LORA_PROMPT_LOGPROBS",
     "VLLMBackend",
     "VLLMBackendError",
+    "cpu_head_size_problem",
+    "model_head_size",
     "repack_cpu_lm_head",
     "to_generation",
     "to_sampling_params",
@@ -126,6 +128,47 @@ def repack_cpu_lm_head(model: torch.nn.Module) -> int:
     for head in heads:
         head.quant_method.process_weights_after_loading(head)
     return len(heads)
+
+
+def model_head_size(model_config: dict[str, Any]) -> int | None:
+    """The attention head size a Hugging Face `config.json` describes (a multimodal model's text
+    part: `text_config`); None when it names neither `head_dim` nor the sizes it follows from."""
+    text = model_config.get("text_config") or model_config
+    if text.get("head_dim"):
+        return int(text["head_dim"])
+    hidden, heads = text.get("hidden_size"), text.get("num_attention_heads")
+    return int(hidden) // int(heads) if hidden and heads else None
+
+
+def cpu_head_size_problem(model_config: dict[str, Any], model: str) -> str | None:
+    """Why vLLM's CPU attention cannot run `model` (whose `config.json` is `model_config`): its
+    head size is not one the installed vLLM's CPU kernels take. Without this, vLLM starts and
+    the first request or weight push fails far from the cause."""
+    size, supported = model_head_size(model_config), _cpu_attention_head_sizes()
+    if size is None or size in supported:
+        return None
+    return (
+        f"the vllm backend cannot run {model!r} on CPU: its attention head size is {size}, and "
+        f"this vLLM's CPU attention takes {', '.join(map(str, supported))}; use the hf backend"
+    )
+
+
+def _cpu_attention_head_sizes() -> list[int]:
+    """The head sizes the installed vLLM's CPU attention takes. Its import warns that Triton has
+    no CPU backend; a check that finds nothing wrong must not print, so vLLM's logger is held at
+    errors for the import (its own configuration runs first, in `vllm.logger`)."""
+    import logging
+
+    import vllm.logger  # noqa: F401  (configures vLLM's loggers, which the import below uses)
+
+    vllm_log = logging.getLogger("vllm")
+    level = vllm_log.level
+    vllm_log.setLevel(logging.ERROR)
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    finally:
+        vllm_log.setLevel(level)
+    return list(CPUAttentionBackend.get_supported_head_sizes())
 
 
 def _require_in_process_engine() -> None:
