@@ -127,13 +127,14 @@ def preflight_eval(config: EvalRunConfig) -> None:
 
 
 def check_engine(backend: BackendConfig, name_or_path: str, gpus: float | None = None) -> None:
-    """A vllm engine that will run on CPU can run the model's attention. `gpus`: each Ray
-    actor's GPUs (None: the engine is in this process, on CPU when torch sees no GPU)."""
+    """A vllm engine that will run on CPU can run the model's attention: the one in this process
+    (evaluations, and rollouts without Ray) on a machine where torch sees no GPU, and Ray
+    actors given no GPU (`gpus`, each actor's; None: no Ray actors)."""
     if backend.type != "vllm":
         return
     import torch
 
-    if torch.cuda.is_available() if gpus is None else gpus > 0:  # other attention kernels
+    if torch.cuda.is_available() and (gpus is None or gpus > 0):  # GPU attention kernels
         return
     found = _model_config_json(name_or_path)
     if found is None:
@@ -146,10 +147,14 @@ def check_engine(backend: BackendConfig, name_or_path: str, gpus: float | None =
 
 
 def _model_config_json(name_or_path: str) -> Path | None:
-    """The model's `config.json`: in its directory, or the hub cache's copy; None if neither."""
+    """The model's `config.json` (a LoRA adapter's: its base model's), in its directory or the
+    hub cache's copy; None if there is none to read (a hub model not yet downloaded)."""
     source = resolve_model_path(name_or_path)
     if Path(source).is_dir():
-        path = Path(source) / "config.json"
+        path, adapter = Path(source) / "config.json", Path(source) / "adapter_config.json"
+        if not path.is_file() and adapter.is_file():
+            base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+            return _model_config_json(str(base)) if base else None
         return path if path.is_file() else None
     from huggingface_hub import try_to_load_from_cache
 

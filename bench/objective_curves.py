@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -36,19 +37,17 @@ def run_dir(root: Path, objective: str, seed: int) -> Path:
 
 
 def curve(run: Path) -> dict[int, float]:
-    """{steps trained: held-out success} from a finished run's metrics (the final evaluation's
-    row is the step after the last)."""
+    """{GRPO steps the evaluated policy had: held-out success} from a run's metrics."""
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"] + (0 if "loss" not in r else 1): r["eval_success_rate"]
+    # rows written before `eval_after_steps` existed: a step row's evaluation followed its update
+    return {r.get("eval_after_steps", r["step"] + ("loss" in r)): r["eval_success_rate"]
             for r in rows if "eval_success_rate" in r}  # fmt: skip
 
 
-def warm_start_success(run: Path) -> float | None:
-    """Held-out success after the warm start, from the run's log."""
-    for line in run.with_suffix(".log").read_text().splitlines():
-        if "eval warm start: success" in line:
-            return float(line.split("success ")[1].split(",")[0])
-    return None
+def warm_start_success(run: Path) -> float:
+    """Held-out success after the warm start, as the run's checkpoints keep it."""
+    state = sorted(run.glob("checkpoints/step_*/state.json"))[-1]
+    return float(json.loads(state.read_text())["eval_warm_start"]["summary"]["success_rate"])
 
 
 def finished(run: Path, steps: int) -> bool:
@@ -68,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             run = run_dir(args.root, name, seed)
             if finished(run, args.steps):
                 continue
+            shutil.rmtree(run, ignore_errors=True)  # a run cut short starts over under its name
             started = time.perf_counter()
             command = [str(exe), "train", str(CONFIG), f"seed={seed}", f"steps={args.steps}",
                        f"eval.every={args.every}", f"run.root={args.root}",
@@ -89,8 +89,8 @@ def print_table(args: argparse.Namespace) -> None:
         rows = []
         for seed in args.seeds:
             run = run_dir(args.root, name, seed)
-            c, warm = curve(run), warm_start_success(run)
-            rows.append([warm or 0.0, *(c[s] for s in points)])
+            c = curve(run)
+            rows.append([warm_start_success(run), *(c[s] for s in points)])
             cells = " | ".join(f"{v:.3f}" for v in rows[-1])
             print(f"| {name} | {seed} | {cells} |")
         mean = [sum(col) / len(col) for col in zip(*rows, strict=True)]

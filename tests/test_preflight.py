@@ -276,6 +276,8 @@ def test_each_config_mistake_is_one_line_and_makes_no_run_dir(
     mistake: str, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     overrides, expected = MISTAKES[mistake]
+    if mistake == "vllm-head-size":
+        _needs_vllm_on_cpu()
     checkpoint = str(fake_checkpoint(tmp_path / "old-run"))
     overrides = [o.replace("{checkpoint}", checkpoint) for o in overrides]
     runs = tmp_path / "runs"
@@ -318,17 +320,35 @@ def test_a_models_head_size_is_read_from_its_config(config: dict[str, Any], size
     assert model_head_size(config) == size
 
 
+def _needs_vllm_on_cpu() -> None:
+    """Skip where vLLM is not installed, or a GPU gives it other attention kernels."""
+    pytest.importorskip("vllm")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's CPU attention is checked on machines without a GPU")
+
+
 def test_only_a_vllm_engine_on_cpu_is_held_to_vllms_cpu_head_sizes(
-    tiny_model_dir: Path, embedded_model_dir: Path
+    tiny_model_dir: Path, embedded_model_dir: Path, tmp_path: Path
 ) -> None:
     from agent_grpo.config.jobs import HFBackendConfig, VLLMBackendConfig
     from agent_grpo.preflight import check_engine
 
+    _needs_vllm_on_cpu()
+
     check_engine(VLLMBackendConfig(), str(embedded_model_dir))  # heads of 64
     check_engine(HFBackendConfig(), str(tiny_model_dir))  # heads of 16: the hf engine runs them
-    check_engine(VLLMBackendConfig(), str(tiny_model_dir), gpus=1)  # Ray actors on GPUs
+    for gpus in (None, 0, 1):  # no GPU here: this process's engine (evaluations) runs on CPU
+        with pytest.raises(PreflightError, match="attention head size is 16"):
+            check_engine(VLLMBackendConfig(), str(tiny_model_dir), gpus=gpus)
+    adapter = tmp_path / "adapter"  # a LoRA adapter: its base model's heads
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": str(tiny_model_dir)})
+    )
     with pytest.raises(PreflightError, match="attention head size is 16"):
-        check_engine(VLLMBackendConfig(), str(tiny_model_dir), gpus=0)
+        check_engine(VLLMBackendConfig(), str(adapter))
 
 
 def test_train_runs_the_preflight_before_making_a_run_dir(tmp_path: Path) -> None:

@@ -154,8 +154,9 @@ class TrainEvalConfig(EvalConfig):
     every: int = Field(default=0, ge=0)
     """Also evaluate after every this many GRPO steps (the policy those steps trained); the
     figures join that step's row of `metrics.jsonl` under the final evaluation's names
-    (`eval_success_rate`, `eval_pass_at_k`, ...), so a run's held-out curve is one column. 0:
-    only before and after training. Each evaluation costs what the final one does."""
+    (`eval_success_rate`, `eval_pass_at_k`, ...) with `eval_after_steps`, so a run's held-out
+    curve is one column. 0: only before and after training. Each evaluation costs what the final
+    one does; under torchrun the other ranks wait for it within `distributed.timeout_s`."""
 
 
 class DistributedConfig(ConfigModel):

@@ -26,6 +26,7 @@ from rich.table import Table
 
 from agent_grpo._moved import moved_names
 from agent_grpo.inspect.flags import row_flags
+from agent_grpo.run_dir.reader import AFTER_STEPS
 from agent_grpo.run_dir.writer import RunWriter
 
 __all__ = [
@@ -150,17 +151,20 @@ class Curve:
 
 
 def _series(
-    rows: Sequence[Mapping[str, Any]], keys: Sequence[str]
+    rows: Sequence[Mapping[str, Any]], keys: Sequence[str], at: str = "step"
 ) -> tuple[list[float], list[float]]:
-    points = [(row.get("step"), metric(row, keys)) for row in rows]
+    """(x, value) of the first of `keys` each row has; x is the row's `at` (else its step)."""
+    points = [(row.get(at, row.get("step")), metric(row, keys)) for row in rows]
     steps_values = [
         (float(s), v) for s, v in points if isinstance(s, int | float) and v is not None
     ]
     return [s for s, _ in steps_values], [v for _, v in steps_values]
 
 
-def _curve(rows: Sequence[Mapping[str, Any]], label: str, keys: Sequence[str]) -> Curve:
-    steps, values = _series(rows, keys)
+def _curve(
+    rows: Sequence[Mapping[str, Any]], label: str, keys: Sequence[str], at: str = "step"
+) -> Curve:
+    steps, values = _series(rows, keys, at)
     return Curve(label, steps, values)
 
 
@@ -175,7 +179,9 @@ def panel_curves(rows: Sequence[Mapping[str, Any]], panel: str) -> list[Curve]:
     elif panel == "success":
         curves = [
             _curve(rows, "train", columns["success"]),
-            _curve(rows, "eval (held-out)", columns["eval success"]),
+            # an evaluation between steps scored the policy after its step's update: plotted
+            # where that policy's own rollouts would be, as the final one is
+            _curve(rows, "eval (held-out)", columns["eval success"], AFTER_STEPS),
         ]
     else:
         curves = [_curve(rows, panel, columns[panel])]

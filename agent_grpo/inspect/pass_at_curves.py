@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from agent_grpo.run_dir.reader import AFTER_STEPS, is_step_row
 from agent_grpo.run_dir.writer import RunWriter
 
 __all__ = ["PassAtCurve", "row_points", "run_pass_at_curves", "state_points"]
@@ -39,8 +40,8 @@ class PassAtCurve:
     """One evaluation's unbiased pass@k for k = 1 .. its samples per task."""
 
     label: str
-    """Which evaluation: `base`, `warm start`, `final` (a training run's) or `eval` (an eval
-    run's)."""
+    """Which evaluation: `base`, `warm start`, `in training` (between steps, `eval.every`),
+    `final` (a training run's) or `eval` (an eval run's)."""
     step: int
     """GRPO steps taken before it."""
     points: Points
@@ -71,9 +72,12 @@ def run_pass_at_curves(run: RunWriter) -> list[PassAtCurve]:
         state = json.loads((checkpoint / "state.json").read_text())
         for key, label in STATE_EVALUATIONS.items():
             curves.append(PassAtCurve(label, 0, state_points(state.get(key))))
-    # A training run writes an evaluation row only at its end; an eval run's config has no steps.
+    # A training run's rows: its final evaluation's own, and steps that may hold one after
+    # their update (`eval.every`); an eval run's config has no steps.
     config = yaml.safe_load(run.config_text)
     label = "final" if isinstance(config, dict) and "steps" in config else "eval"
     for row in run.read_metrics():
-        curves.append(PassAtCurve(label, int(row["step"]), row_points(row)))
+        after = int(row.get(AFTER_STEPS, row["step"]))
+        name = "in training" if is_step_row(row) else label
+        curves.append(PassAtCurve(name, after, row_points(row)))
     return [curve for curve in curves if curve.points]

@@ -16,9 +16,32 @@ import yaml
 from agent_grpo.run_dir.writer import IndexEntry, RunWriter
 from agent_grpo.trajectory.record import TrajectoryRecord
 
-__all__ = ["EVAL_PREFIX", "Run", "load_run"]
+__all__ = ["AFTER_STEPS", "EVAL_PREFIX", "Run", "is_step_row", "load_run"]
 
 EVAL_PREFIX = "eval_"
+AFTER_STEPS = "eval_after_steps"
+"""The key of a training run's evaluation that says how many GRPO steps the evaluated policy
+had taken: `s + 1` in step `s`'s row (`eval.every`), `steps` in the final row. An eval run's
+row has none."""
+
+
+def _has_eval(row: dict[str, Any]) -> bool:
+    return any(k.startswith(EVAL_PREFIX) for k in row)
+
+
+def _evaluation(row: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation's figures in `row`, without their `eval_` prefix, and the row's step."""
+    return {"step": row["step"]} | {
+        k.removeprefix(EVAL_PREFIX): v for k, v in row.items() if k.startswith(EVAL_PREFIX)
+    }
+
+
+def is_step_row(row: dict[str, Any]) -> bool:
+    """A GRPO step's row (it may also hold an `eval.every` evaluation), not an evaluation's own
+    row (a training run's final one, or an eval run's)."""
+    return "loss" in row
+
+
 """Prefix of the held-out evaluation metrics in `metrics.jsonl`."""
 
 
@@ -52,22 +75,21 @@ class Run:
 
     def series(self, name: str) -> list[tuple[int, float]]:
         """`(step, value)` of metric `name` in every row that has it (None values left out),
-        e.g. `run.series("reward_mean")` for a plot."""
+        e.g. `run.series("reward_mean")` for a plot. An evaluation between steps sits in its
+        step's row: its policy had `step + 1` updates (`eval_after_steps`)."""
         return [(int(r["step"]), r[name]) for r in self.metrics() if r.get(name) is not None]
 
     def evaluations(self) -> list[dict[str, Any]]:
-        """The held-out evaluation rows, `eval_` dropped from their keys (`success_rate`,
-        `pass_at_k`, ...), each with its `step`: an eval run's one, a training run's final."""
-        return [
-            {"step": r["step"]}
-            | {k.removeprefix(EVAL_PREFIX): v for k, v in r.items() if k.startswith(EVAL_PREFIX)}
-            for r in self.metrics()
-            if any(k.startswith(EVAL_PREFIX) for k in r)
-        ]
+        """The held-out evaluations, `eval_` dropped from their keys (`success_rate`,
+        `pass_at_k`, ...), each with its row's `step`: an eval run's one; a training run's
+        between steps (`eval.every`) and its final, each with `after_steps`, the updates its
+        policy had."""
+        return [_evaluation(r) for r in self.metrics() if _has_eval(r)]
 
     def final_eval(self) -> dict[str, Any] | None:
-        """The last held-out evaluation (see `evaluations`), or None if the run has none."""
-        found = self.evaluations()
+        """The evaluation of an eval run, or of a training run's end (not one between steps);
+        None if the run has none (yet)."""
+        found = [_evaluation(r) for r in self.metrics() if _has_eval(r) and not is_step_row(r)]
         return found[-1] if found else None
 
     def steps(self) -> list[int]:

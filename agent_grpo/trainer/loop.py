@@ -44,6 +44,7 @@ from agent_grpo.evaluation.in_training import print_summary, run_eval
 from agent_grpo.faults import crash_point
 from agent_grpo.preflight import preflight_train
 from agent_grpo.rollout.sources import staleness
+from agent_grpo.run_dir.reader import AFTER_STEPS
 from agent_grpo.trainer.batch import PackedBatch, pack_records, token_versions
 from agent_grpo.trainer.checkpoint import save
 from agent_grpo.trainer.metrics import (
@@ -303,8 +304,10 @@ def _loop(
             metrics, records = train_step(config, trainer, step, max_tokens, progress)
             if heldout_due(config, step) and trainer.backend is not None:
                 progress.phase(f"step {step}: held-out eval")
+                started = time.perf_counter()
                 metrics.heldout = run_eval(config, trainer.backend, trainer.tokenizer,
                                            trainer.stop, f"after step {step}")  # fmt: skip
+                metrics.times.heldout_time_s = time.perf_counter() - started
             if run is not None:
                 record_step(run, config, metrics, records, trackers)
                 watch.see(metrics)
@@ -328,7 +331,7 @@ def _finish(config: TrainConfig, start: RunStart, progress: RunProgress) -> None
         progress.phase("final eval")
         final = run_eval(config, trainer.backend, trainer.tokenizer, trainer.stop, "final")
         if final is not None:
-            run.write_metrics(config.steps, final.row())
+            run.write_metrics(config.steps, final.row() | {AFTER_STEPS: config.steps})
         progress.close()  # the table goes below, not under a live display
         print_summary(state.eval_before, state.eval_warm_start, final)
     if trainer.rollouts is not None:

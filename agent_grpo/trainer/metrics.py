@@ -21,6 +21,7 @@ from agent_grpo.algo.grpo import PolicyLossMetrics
 from agent_grpo.evaluation.heldout import EvalResult
 from agent_grpo.rollout.collector import RolloutResult
 from agent_grpo.rollout.summary import TrajectorySummary, summarize_trajectories
+from agent_grpo.run_dir.reader import AFTER_STEPS
 from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
 __all__ = [
@@ -326,6 +327,9 @@ class StepTimes(BaseModel):
     """Seconds to give the engines the new weights (the canary's check not included)."""
     canary_time_s: float = 0.0
     """Seconds of the weight canary's check after the push (0 when it did not run)."""
+    heldout_time_s: float = 0.0
+    """Seconds of the held-out evaluation after the step (`eval.every`; 0 on the steps without
+    one); not part of `step_time_s`."""
 
 
 class StepMetrics(BaseModel):
@@ -387,14 +391,15 @@ class StepMetrics(BaseModel):
     """Rollout workers that died during the step (their groups were sent to another)."""
     heldout: EvalResult | None = None
     """The held-out evaluation after this step (`eval.every`), written under the final
-    evaluation's names (`eval_success_rate`, ...); None on the steps without one."""
+    evaluation's names (`eval_success_rate`, ...) with `eval_after_steps` (this step + 1: the
+    updates the evaluated policy had); None on the steps without one."""
 
     def row(self) -> dict[str, float | int | None]:
         """The flat `metrics.jsonl` row: every field of every part under its own name."""
         out: dict[str, float | int | None] = {}
         for name, value in self:
             if name == "heldout":
-                out.update(value.row() if value is not None else {})
+                out.update(value.row() | {AFTER_STEPS: self.step + 1} if value is not None else {})
             elif isinstance(value, BaseModel):
                 out.update(value.model_dump())
             elif name == "reward_means":

@@ -31,6 +31,7 @@ __all__ = ["FREE_KEYS", "ConfigChange", "check_resume", "config_changes", "recor
 FREE_KEYS = frozenset(
     {
         "steps",
+        "eval.every",
         "run.checkpoint_every",
         "run.checkpoint_every_s",
         "run.keep_checkpoints",
@@ -38,8 +39,9 @@ FREE_KEYS = frozenset(
         "run.tensorboard",
     }
 )
-"""Keys a resume may change without being asked: how long the run goes, how often it saves,
-which trackers it reports to (a run from before `run.report_to` resumes unasked)."""
+"""Keys a resume may change without being asked: how long the run goes, how often it saves and
+evaluates, which trackers it reports to (runs from before `run.report_to` and `eval.every`
+resume unasked)."""
 
 CHANGES_FILE = "config-changes.jsonl"
 """Where accepted changes are recorded, in the run directory."""

@@ -120,7 +120,7 @@ def rows(run: Path) -> list[dict[str, Any]]:
 
 STEP_KEYS = set(StepMetrics.model_fields) - {"rollout", "signal", "mismatch", "update", "times",
                                              "reward_means", "staleness",
-                                             "mismatch_by_staleness",
+                                             "mismatch_by_staleness", "heldout",
                                              "mismatch_causes"}  # fmt: skip
 
 

@@ -156,3 +156,14 @@ def test_a_held_out_evaluation_joins_its_steps_row_of_metrics(tmp_path, tiny_mod
         if "eval_success_rate" in row:
             assert row["eval_tasks"] == 2 and row["eval_samples_per_task"] == 2
             assert 0.0 <= row["eval_success_rate"] <= row["eval_pass_at_k"] <= 1.0
+    # each evaluation says how many updates its policy had: its step's and the ones before
+    assert [r["eval_after_steps"] for r in rows if "eval_success_rate" in r] == [1, 2, 3]
+    assert [r["heldout_time_s"] > 0 for r in rows if "loss" in r] == [True, True, False]
+    from agent_grpo.inspect.pass_at_curves import run_pass_at_curves
+    from agent_grpo.run_dir.reader import load_run
+    from agent_grpo.run_dir.writer import RunWriter
+
+    found = [(c.label, c.step) for c in run_pass_at_curves(RunWriter.open(run))]
+    assert found == [("base", 0), ("in training", 1), ("in training", 2), ("final", 3)]
+    final = load_run(run).final_eval()
+    assert final is not None and final["after_steps"] == 3 and final["step"] == 3

@@ -45,6 +45,15 @@ def test_the_same_config_and_more_steps_resume_without_asking(tmp_path: Path) ->
     assert check_resume(longer, accept_config_change=False) == []
 
 
+def test_a_run_from_before_eval_every_resumes_with_or_without_it(tmp_path: Path) -> None:
+    _stored_run(tmp_path, _config(tmp_path))
+    stored = tmp_path / "r" / "config.yaml"
+    stored.write_text(stored.read_text().replace("  every: 0\n", ""))  # as older runs wrote it
+    assert "  every:" not in stored.read_text()
+    assert check_resume(_config(tmp_path), accept_config_change=False) == []
+    assert check_resume(_config(tmp_path, eval={"every": 2}), accept_config_change=False) == []
+
+
 def test_a_changed_lr_seed_or_group_size_is_refused_naming_each_key(tmp_path: Path) -> None:
     _stored_run(tmp_path, _config(tmp_path))
     changed = _config(tmp_path, seed=7, algo={"lr": 3e-5}, rollout={"group_size": 4})

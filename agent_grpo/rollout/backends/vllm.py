@@ -145,7 +145,7 @@ def cpu_head_size_problem(model_config: dict[str, Any], model: str) -> str | Non
     head size is not one the installed vLLM's CPU kernels take. Without this, vLLM starts and
     the first request or weight push fails far from the cause."""
     size, supported = model_head_size(model_config), _cpu_attention_head_sizes()
-    if size is None or size in supported:
+    if size is None or supported is None or size in supported:
         return None
     return (
         f"the vllm backend cannot run {model!r} on CPU: its attention head size is {size}, and "
@@ -153,10 +153,12 @@ def cpu_head_size_problem(model_config: dict[str, Any], model: str) -> str | Non
     )
 
 
-def _cpu_attention_head_sizes() -> list[int]:
-    """The head sizes the installed vLLM's CPU attention takes. Its import warns that Triton has
-    no CPU backend; a check that finds nothing wrong must not print, so vLLM's logger is held at
-    errors for the import (its own configuration runs first, in `vllm.logger`)."""
+def _cpu_attention_head_sizes() -> list[int] | None:
+    """The head sizes the installed vLLM's CPU attention takes; None where this vLLM keeps them
+    elsewhere (a private module: the check then passes rather than block a run that may work).
+    Its import warns that Triton has no CPU backend; a check that finds nothing wrong must not
+    print, so vLLM's logger is held at errors for the import (its own configuration runs first,
+    in `vllm.logger`)."""
     import logging
 
     import vllm.logger  # noqa: F401  (configures vLLM's loggers, which the import below uses)
@@ -166,9 +168,12 @@ def _cpu_attention_head_sizes() -> list[int]:
     vllm_log.setLevel(logging.ERROR)
     try:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return list(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):
+        return None
     finally:
         vllm_log.setLevel(level)
-    return list(CPUAttentionBackend.get_supported_head_sizes())
 
 
 def _require_in_process_engine() -> None:
