@@ -60,12 +60,18 @@ MOVED = {
 
 
 def _new_place(name: str) -> str | None:
-    """Where the old module `name` went; `agent_grpo.train.loop` -> `agent_grpo.trainer.loop`."""
-    if name in MOVED:
-        return MOVED[name]
-    if name.startswith("agent_grpo.train."):
-        return "agent_grpo.trainer." + name.removeprefix("agent_grpo.train.")
-    return None
+    """Where the old module `name` went.
+
+    An old package lists where its moved submodules went as well: importing
+    `agent_grpo.train.config` imports the package `agent_grpo.train` first, and that import is the
+    one that fails, so its message is the only one the user sees.
+    """
+    if name not in MOVED:
+        return None
+    children = [f"{old} -> {new}" for old, new in MOVED.items() if old.startswith(name + ".")]
+    if name == "agent_grpo.train":
+        children.append("any other agent_grpo.train.X -> agent_grpo.trainer.X")
+    return MOVED[name] + "".join(f"; {child}" for child in children)
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder):
