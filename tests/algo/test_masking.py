@@ -57,3 +57,62 @@ def test_masking_is_one_correction_and_needs_the_trainers_pi_old() -> None:
         AlgoConfig(mask=MaskConfig(), old_logprobs="sampler")
     with pytest.raises(ValidationError, match="low"):
         MaskConfig(low=1.5)
+
+
+def verl_rollout_is_band(
+    old: torch.Tensor,
+    rollout: torch.Tensor,
+    mask: torch.Tensor,
+    low: float,
+    high: float,
+    level: str,
+) -> torch.Tensor:
+    """verl 0.9's `rollout_is` with a `"lower_upper"` threshold (IcePop), written from its
+    `RolloutCorrectionConfig` docs: the IS weight is pi_old / pi_rollout per token (`"token"`) or
+    its product over the sequence's response tokens (`"sequence"`), zeroed outside
+    [lower, upper]."""
+    log_r = (old - rollout) * mask
+    if level == "sequence":
+        log_r = log_r.sum(-1, keepdim=True).expand_as(log_r)
+    r = log_r.exp()
+    return torch.where((r >= low) & (r <= high), r, 0.0)
+
+
+def verl_rejection_then_tis(
+    old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, low: float, high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl 0.9's MIS from its docs: `rollout_rs="token_k1"` with a `"lower_upper"` threshold
+    rejects tokens whose ratio leaves the band (they leave the response mask), and
+    `rollout_is="token"` with threshold `upper` weights the rest by the ratio capped there.
+    Returns (weights, the mask that is left)."""
+    r = ((old - rollout) * mask).exp()
+    kept = mask & (r >= low) & (r <= high)
+    return r.clamp(max=high), kept
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_equals_verls_icepop_weights(level: str) -> None:
+    torch.manual_seed(0)
+    sampler = -torch.rand(6, 5) * 3
+    trainer = sampler + (torch.rand(6, 5) * 4 - 1.5) / (2 if level == "sequence" else 1)
+    mask = torch.rand(6, 5) < 0.8
+    ours = masked_is_weights(trainer, sampler, mask, 0.5, 5.0, level)  # type: ignore[arg-type]
+    theirs = verl_rollout_is_band(trainer, sampler, mask, 0.5, 5.0, level)
+    torch.testing.assert_close(ours[mask], theirs[mask])
+    dropped = (ours[mask] == 0).float().mean()
+    assert 0 < dropped < 1  # the case has tokens (rows) both kept and dropped
+
+
+def test_token_mis_equals_verls_rejection_with_tis_on_the_tokens_it_keeps() -> None:
+    # The weights agree wherever verl keeps a token; where it rejects one we weight it 0. The one
+    # difference: verl's rejected tokens leave the loss's denominator, ours stay in it (module
+    # docstring of agent_grpo.algo.masking), so a minibatch's split never changes its loss.
+    torch.manual_seed(1)
+    sampler = -torch.rand(6, 5) * 3
+    trainer = sampler + torch.rand(6, 5) * 4 - 1.5
+    mask = torch.rand(6, 5) < 0.8
+    ours = masked_is_weights(trainer, sampler, mask, 0.5, 5.0)
+    weights, kept = verl_rejection_then_tis(trainer, sampler, mask, 0.5, 5.0)
+    torch.testing.assert_close(ours[kept], weights[kept])
+    assert torch.equal(ours[mask] != 0, kept[mask])
+    assert 0 < int(kept.sum()) < int(mask.sum())

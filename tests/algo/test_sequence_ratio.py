@@ -79,3 +79,61 @@ def test_an_unknown_ratio_level_is_refused() -> None:
     with pytest.raises(ValueError, match="ratio level"):
         policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), mask,
                     ratio_level="episode")  # type: ignore[arg-type]  # fmt: skip
+
+
+def trl_sequence_loss(
+    logp: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    loss_type: str,
+) -> torch.Tensor:
+    """TRL 1.16's `GRPOConfig(importance_sampling_level="sequence")`, written from its docs: the
+    log ratios averaged over a sequence's valid tokens give one ratio s_i per sequence (the
+    gradient flows through that average), clipped to [1 - epsilon, 1 + epsilon_high], each token's
+    loss `-min(s_i * A_i, clip(s_i) * A_i)`; `loss_type="grpo"` averages a sequence's tokens and
+    then the sequences, `"dapo"` sums the tokens over the batch's active tokens."""
+    m = mask.to(logp.dtype)
+    s = torch.exp(((logp - old) * m).sum(-1) / m.sum(-1).clamp(min=1))  # [B]
+    per_seq = -torch.minimum(s * adv, s.clamp(1 - eps_low, 1 + eps_high) * adv)  # [B]
+    per_token = per_seq[:, None].expand_as(logp)  # [B, T]
+    if loss_type == "grpo":
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    return (per_token * m).sum() / m.sum()
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "aggregation"), [("grpo", "seq-mean-token-mean"), ("dapo", "token-mean")]
+)
+def test_equals_trl_sequence_level_importance_sampling(loss_type: str, aggregation: str) -> None:
+    # GSPO-token (ours) and TRL's sequence form agree in value and gradient wherever the loss
+    # weights a sequence's tokens alike: the token form's gradient s_i * grad log pi_t summed
+    # over a row's tokens is the sequence form's |y_i| * (s_i / |y_i|) * grad log pi_t.
+    # Rows 0 and 2 leave the band (s above 1 + 0.05, below 1 - 0.03), row 1 stays inside.
+    torch.manual_seed(1)
+    base = torch.randn(3, 5, dtype=torch.float64)
+    shift = torch.tensor([0.2, 0.01, -0.15], dtype=torch.float64)[:, None]
+    old = base - shift + 0.02 * torch.randn(3, 5, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.5, -0.7, -1.0], dtype=torch.float64)
+    ours_logp = base.clone().requires_grad_(True)
+    ours, metrics = policy_loss(
+        ours_logp,
+        old,
+        adv,
+        mask,
+        ratio_level="sequence",
+        aggregation=aggregation,  # type: ignore[arg-type]
+        clip_low=0.03,
+        clip_high=0.05,
+    )
+    ours.backward()
+    theirs_logp = base.clone().requires_grad_(True)
+    theirs = trl_sequence_loss(theirs_logp, old, adv, mask, 0.03, 0.05, loss_type)
+    theirs.backward()
+    torch.testing.assert_close(ours.detach(), theirs.detach())
+    assert ours_logp.grad is not None and theirs_logp.grad is not None
+    torch.testing.assert_close(ours_logp.grad, theirs_logp.grad)
+    assert 0 < metrics.clip_frac < 1  # both branches, clipped and not, are compared

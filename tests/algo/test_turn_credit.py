@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from agent_grpo.algo.config import AlgoConfig
 from agent_grpo.algo.groups import advantages_of, turn_advantages_of
+from agent_grpo.algo.grpo import group_advantages
 from agent_grpo.algo.turn_credit import others_mean, returns_to_go, turn_advantages
 from agent_grpo.envs.calculator import CalculatorEnv
 from agent_grpo.envs.registry import make_env
@@ -197,3 +198,80 @@ def test_a_run_with_turn_credit_stores_the_advantages_it_trained_with(
     edited.turns[0].advantage += 0.5
     [problem] = record_problems({0: lines}, facts)
     assert "turn 0's advantage" in problem and "but turn credit gives" in problem
+
+
+def gigpo_reference(
+    rewards: list[float],
+    turn_rewards: list[list[float]],
+    states: list[list[str]],
+    omega: float,
+    gamma: float,
+    std_norm: bool,
+) -> list[list[float]]:
+    """GiGPO as its paper states it (Feng et al. 2025, section 3), in plain Python: the episode
+    advantage (R - mean) / F over the group, each turn's discounted return R_t = sum_k gamma^(k-t)
+    r_k (the episode's reward on its last turn), the step advantage (R_t - mean) / F over the turns
+    whose anchor state is the same, F the group's std (`mean_std_norm`) or 1 (`mean_norm`), and
+    A = A^E + omega * A^S. A state seen once compares with itself only: A^S = 0."""
+    import statistics
+
+    def normalise(values: list[float]) -> list[float]:
+        mean = statistics.fmean(values)
+        spread = statistics.stdev(values) if std_norm and len(values) > 1 else 0.0
+        return [(v - mean) / (spread + 1e-6) if std_norm else v - mean for v in values]
+
+    episode = normalise(rewards)
+    returns: dict[tuple[int, int], float] = {}
+    for i, turns in enumerate(turn_rewards):
+        later = 0.0
+        for t in reversed(range(len(turns))):
+            later = turns[t] + (rewards[i] if t == len(turns) - 1 else 0.0) + gamma * later
+            returns[(i, t)] = later
+    by_state: dict[str, list[tuple[int, int]]] = {}
+    for i, row in enumerate(states):
+        for t, state in enumerate(row):
+            by_state.setdefault(state, []).append((i, t))
+    step: dict[tuple[int, int], float] = {}
+    for members in by_state.values():
+        for member, adv in zip(members, normalise([returns[m] for m in members]), strict=True):
+            step[member] = adv
+    return [
+        [episode[i] + omega * step[(i, t)] for t in range(len(row))] for i, row in enumerate(states)
+    ]
+
+
+@pytest.mark.parametrize("std_norm", [True, False])
+def test_equals_gigpos_formula_from_its_paper(std_norm: bool) -> None:
+    # Six episodes of 1-4 turns; states drawn from a few so step groups of 1 to several form.
+    import random
+
+    rng = random.Random(3)
+    lengths = [rng.randint(1, 4) for _ in range(6)]
+    rewards = [float(rng.random() < 0.5) for _ in lengths]
+    turn_rewards = [[rng.choice([0.0, 0.0, 0.3, -0.2]) for _ in range(n)] for n in lengths]
+    states = [["prompt"] + [f"s{t}{rng.randint(0, 2)}" for t in range(1, n)] for n in lengths]
+    theirs = gigpo_reference(rewards, turn_rewards, states, 0.7, 0.9, std_norm)
+    scale = "group" if std_norm else "none"
+    reward_tensor = torch.tensor(rewards, dtype=torch.float64)
+    valid = torch.ones(6, dtype=torch.bool)
+    episode = group_advantages(reward_tensor, [0] * 6, valid=valid, scale=scale)
+    width = max(lengths)
+    ids = {state: k for k, state in enumerate(sorted({s for row in states for s in row}))}
+    ours = turn_advantages(
+        episode,
+        reward_tensor,
+        torch.tensor([row + [0.0] * (width - len(row)) for row in turn_rewards]),
+        torch.tensor(lengths),
+        torch.tensor([[ids[s] for s in row] + [-1] * (width - len(row)) for row in states]),
+        [0] * 6,
+        valid=valid,
+        weight=0.7,
+        discount=0.9,
+        scale=scale,
+        leave_one_out=False,
+    )
+    for i, row in enumerate(theirs):
+        torch.testing.assert_close(ours[i, : len(row)], torch.tensor(row, dtype=torch.float64))
+        assert bool((ours[i, len(row) :] == 0).all())
+    sizes = [sum(1 for row in states for s in row if s == state) for state in ids]
+    assert 1 in sizes and max(sizes) > 2  # singleton states and shared ones both compared
