@@ -17,7 +17,7 @@ MODEL_STAMP := $(AGENT_GRPO_HOME)/models/smollm2-135m-instruct/.complete
 # the first.
 GEMMA_STAMP := $(AGENT_GRPO_HOME)/models/gemma3-270m/.complete
 
-.PHONY: install model model-gemma sandbox-deps demo test test-fast lint typecheck pytest bench clean
+.PHONY: install model model-gemma sandbox-deps demo demo-search test test-fast lint typecheck pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,10 @@ test: lint typecheck pytest
 
 demo: install model sandbox-deps
 	$(BIN)/agent-grpo train configs/calculator.yaml
+
+# The second demo: two-hop search questions, where a converged warm start still fails often.
+demo-search: install model
+	$(BIN)/agent-grpo train configs/search.yaml
 
 # `make bench BENCH_FLAGS=--quick` for a smoke run. TRL is installed for the comparison only.
 bench: install model
