@@ -81,12 +81,14 @@ def verl_rollout_is_band(
 def verl_rejection_then_tis(
     old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, low: float, high: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl 0.9's MIS from its docs: `rollout_rs="token_k1"` with a `"lower_upper"` threshold
-    rejects tokens whose ratio leaves the band (they leave the response mask), and
-    `rollout_is="token"` with threshold `upper` weights the rest by the ratio capped there.
+    """verl 0.9's MIS: `rollout_rs="token_k1"` with a `"lower_upper"` threshold rejects tokens
+    whose `k1 = -log r` leaves [log lower, log upper] (they leave the response mask), so its band
+    is on 1/r: our band [low, high] is verl's threshold `f"{1/high}_{1/low}"`. `rollout_is="token"`
+    with threshold `high` weights the rest by r capped there (no kept r exceeds it).
     Returns (weights, the mask that is left)."""
     r = ((old - rollout) * mask).exp()
-    kept = mask & (r >= low) & (r <= high)
+    verl_lower, verl_upper = 1 / high, 1 / low
+    kept = mask & (-r.log() >= math.log(verl_lower)) & (-r.log() <= math.log(verl_upper))
     return r.clamp(max=high), kept
 
 
