@@ -42,7 +42,8 @@ MOVED = {
     "agent_grpo.eval_run": "agent_grpo.evaluation.job",
     "agent_grpo.callable_module": "nothing: agent_grpo.train and agent_grpo.evaluate are functions",
     "agent_grpo.config_schema": "agent_grpo.config.schema",
-    "agent_grpo.train": "agent_grpo.trainer (the job: agent_grpo.train())",
+    "agent_grpo.train": "agent_grpo.trainer, whose other modules keep their names "
+    "(the job: agent_grpo.train())",
     "agent_grpo.train.config": "agent_grpo.config.jobs",
     "agent_grpo.train.evaluation": "agent_grpo.evaluation.in_training",
     "agent_grpo.train.rollout": "agent_grpo.rollout.step",
@@ -68,10 +69,10 @@ def _new_place(name: str) -> str | None:
     """
     if name not in MOVED:
         return None
-    children = [f"{old} -> {new}" for old, new in MOVED.items() if old.startswith(name + ".")]
-    if name == "agent_grpo.train":
-        children.append("any other agent_grpo.train.X -> agent_grpo.trainer.X")
-    return MOVED[name] + "".join(f"; {child}" for child in children)
+    children = "".join(
+        f"; {old} -> {new}" for old, new in MOVED.items() if old.startswith(name + ".")
+    )
+    return MOVED[name] + children
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder):

@@ -86,10 +86,10 @@ def verl_rejection_then_tis(
     is on 1/r: our band [low, high] is verl's threshold `f"{1/high}_{1/low}"`. `rollout_is="token"`
     with threshold `high` weights the rest by r capped there (no kept r exceeds it).
     Returns (weights, the mask that is left)."""
-    r = ((old - rollout) * mask).exp()
+    k1 = -(old - rollout) * mask  # verl's token_k1, -log r
     verl_lower, verl_upper = 1 / high, 1 / low
-    kept = mask & (-r.log() >= math.log(verl_lower)) & (-r.log() <= math.log(verl_upper))
-    return r.clamp(max=high), kept
+    kept = mask & (k1 >= math.log(verl_lower)) & (k1 <= math.log(verl_upper))
+    return (-k1).exp().clamp(max=high), kept
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

@@ -10,6 +10,8 @@ episode 2's is `b`, alone.
 
 from __future__ import annotations
 
+import random
+import statistics
 from typing import Any
 
 import pytest
@@ -213,7 +215,6 @@ def gigpo_reference(
     r_k (the episode's reward on its last turn), the step advantage (R_t - mean) / F over the turns
     whose anchor state is the same, F the group's std (`mean_std_norm`) or 1 (`mean_norm`), and
     A = A^E + omega * A^S. A state seen once compares with itself only: A^S = 0."""
-    import statistics
 
     def normalise(values: list[float]) -> list[float]:
         mean = statistics.fmean(values)
@@ -243,8 +244,6 @@ def gigpo_reference(
 @pytest.mark.parametrize("std_norm", [True, False])
 def test_equals_gigpos_formula_from_its_paper(std_norm: bool) -> None:
     # Six episodes of 1-4 turns; states drawn from a few so step groups of 1 to several form.
-    import random
-
     rng = random.Random(3)
     lengths = [rng.randint(1, 4) for _ in range(6)]
     rewards = [float(rng.random() < 0.5) for _ in lengths]
