@@ -16,7 +16,7 @@ from agent_grpo.testing import tiny_model
     ("old", "says"),
     [
         ("agent_grpo.env", "moved: import agent_grpo.envs.text_env"),
-        ("agent_grpo.train.loop", "moved: import agent_grpo.trainer"),
+        ("agent_grpo.train.loop", "moved: import agent_grpo.trainer, whose other modules keep"),
         ("agent_grpo.tools.sandbox", "moved: import agent_grpo.sandbox.runner"),
         ("agent_grpo.rollout.hf_backend", "moved: import agent_grpo.rollout.backends.hf"),
         ("agent_grpo.tools.call_format", "moved: import agent_grpo.tools.formats"),
