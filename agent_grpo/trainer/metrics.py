@@ -248,9 +248,12 @@ class UpdateMetrics(BaseModel):
     terms enter the objective's denominator, whether or not `skip_zero_advantage` ran their
     forward pass (zero-advantage rows count; excluded and dropped rows do not)."""
     optimizer_steps: int
-    """Optimizer steps taken (epochs x minibatches, less any skipped)."""
+    """Optimizer steps taken (epochs x minibatches, less any skipped or idle)."""
     skipped_steps: int
     """Optimizer steps skipped because the loss or the gradient norm was not finite."""
+    idle_steps: int = 0
+    """Optimizer steps not taken because the minibatch had no learning signal (every trained
+    token's advantage 0, no KL term): AdamW would move the weights along its momentum alone."""
 
     @classmethod
     def of_step(
@@ -260,9 +263,11 @@ class UpdateMetrics(BaseModel):
         has_ref: bool,
         skipped: bool,
         trained_tokens: float,
+        idle: bool = False,
     ) -> UpdateMetrics:
         """The metrics of one optimizer step from its (all-reduced) `stats` and its loss-mask
-        token count (`trained_tokens`; `stats.tokens` counts only the rows that were run)."""
+        token count (`trained_tokens`; `stats.tokens` counts only the rows that were run);
+        `idle`: not taken for want of signal."""
         n = stats.tokens or 1.0
         low, high = stats.clip_low / n, stats.clip_high / n
         return cls(
@@ -278,8 +283,9 @@ class UpdateMetrics(BaseModel):
             ratio_max=stats.ratio_max if stats.tokens else 1.0,
             tis_clip_frac=stats.tis_capped / n,
             trained_tokens=trained_tokens,
-            optimizer_steps=0 if skipped else 1,
+            optimizer_steps=0 if skipped or idle else 1,
             skipped_steps=1 if skipped else 0,
+            idle_steps=1 if idle and not skipped else 0,
         )
 
     @classmethod
@@ -303,6 +309,7 @@ class UpdateMetrics(BaseModel):
             trained_tokens=_mean([s.trained_tokens for s in steps]),
             optimizer_steps=sum(s.optimizer_steps for s in steps),
             skipped_steps=sum(s.skipped_steps for s in steps),
+            idle_steps=sum(s.idle_steps for s in steps),
         )
 
 

@@ -45,7 +45,10 @@ def step_flags(metrics: StepMetrics) -> list[str]:
     r, s, u = metrics.rollout, metrics.signal, metrics.update
     flags = []
     if s.dead_group_fraction == 1.0:
-        flags.append("no signal: every group is dead (all rewards equal), loss 0")
+        flags.append(
+            "no signal: every group is dead (all rewards equal), loss 0"
+            + (", no optimizer step" if u.idle_steps else "")
+        )
     if r.error_fraction > 0:
         flags.append(f"env/verifier errors {r.error_fraction:.0%}")
     if s.nonfinite_rewards:

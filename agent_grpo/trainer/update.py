@@ -12,6 +12,13 @@ as they were), logs an error and counts it in `UpdateMetrics.skipped_steps`. Wit
 `algo.speed.optimizer_in_backward` a non-finite loss still skips the whole step, but a non-finite
 gradient can only skip its own parameter's step (the others have stepped): it is counted the
 same way (agent_grpo/trainer/backward_steps.py).
+
+A minibatch without learning signal (every trained token's advantage is 0 and there is no KL
+term, so the loss is 0 by construction) takes no optimizer step either, and counts it in
+`UpdateMetrics.idle_steps`: AdamW given a zero gradient still moves every weight along its
+momentum. Without this rule the weights moved or not depending on `skip_zero_advantage` (a
+skipped row has no gradient at all, a zero-advantage row that runs has a zero one), a speed knob
+that must change only the cost.
 """
 
 from __future__ import annotations
@@ -85,6 +92,11 @@ def _gather_rows(values: Tensor, written: Tensor, ctx: DistContext) -> Tensor:
     return torch.where(global_sum(written, ctx) > 0, total, float("nan"))  # [B, T]
 
 
+def _any_rank(rows: list[int], ctx: DistContext) -> bool:
+    """Whether any rank has a row in its `rows` (the same answer on every rank)."""
+    return bool(global_sum(torch.tensor(float(len(rows)), dtype=torch.float64), ctx) > 0)
+
+
 def minibatch_update(
     policy: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -115,6 +127,8 @@ def minibatch_update(
     skip = algo.speed.skip_zero_advantage and ref is None
     micro = _micro_batches(batch, rows_with_loss(batch, skip_zero_advantage=skip, rows=rows),
                            algo, ctx)  # fmt: skip
+    signal = ref is not None or _any_rank(rows_with_loss(batch, skip_zero_advantage=True,
+                                                         rows=rows), ctx)  # fmt: skip
     sequence_tokens = _sequence_tokens(batch)  # [B]
     seen = torch.zeros(batch.input_ids.shape)  # [B, T]
     written = torch.zeros(batch.input_ids.shape)  # [B, T]
@@ -145,7 +159,7 @@ def minibatch_update(
             )
             if in_backward is not None:  # a non-finite loss never reaches a step
                 loss_so_far = stats.loss + float(out.loss.detach())
-                in_backward.arm(k == len(micro) - 1 and math.isfinite(loss_so_far))
+                in_backward.arm(signal and k == len(micro) - 1 and math.isfinite(loss_so_far))
             (out.loss * ctx.world_size).backward()  # DDP/FSDP average over ranks
         seen[group, :width] += logprobs.detach().cpu() * trains
         written[group, :width] += trains
@@ -166,10 +180,11 @@ def minibatch_update(
         if skipped:  # the same decision on every rank: both figures are global
             log.error("non-finite loss %s or gradient norm %s: optimizer step skipped, weights "
                       "untouched", stats.loss, grad_norm)  # fmt: skip
-        else:
+        elif signal:
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    metrics = UpdateMetrics.of_step(stats, grad_norm, ref is not None, skipped, trained_tokens)
+    metrics = UpdateMetrics.of_step(stats, grad_norm, ref is not None, skipped, trained_tokens,
+                                    idle=not signal)  # fmt: skip
     return metrics, _gather_rows(seen, written, ctx)
 
 

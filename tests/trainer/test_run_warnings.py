@@ -79,6 +79,7 @@ def test_a_run_with_every_group_dead_says_so(
         logger.propagate = propagate
     lines = [r.getMessage() for r in caplog.records]
     steps = [line for line in lines if line.startswith("step ")]
-    assert len(steps) == 3 and all("no signal: every group is dead" in s for s in steps)
+    dead = "no signal: every group is dead (all rewards equal), loss 0, no optimizer step"
+    assert len(steps) == 3 and all(dead in s for s in steps)
     assert all("truncated 100%" in s for s in steps)  # 16 tokens never finish an answer
     assert sum("NO LEARNING SIGNAL for 3 steps" in line for line in lines) == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from agent_grpo.config.jobs import AlgoConfig, SpeedConfig
@@ -75,6 +76,30 @@ def test_a_non_finite_loss_skips_the_optimizer_step(tiny_model) -> None:
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
     assert not optimizer.state  # AdamW's moments were never touched either
+
+
+@pytest.mark.parametrize("skip_zero_advantage", [True, False])
+def test_a_minibatch_without_signal_leaves_weights_and_adamw_as_they_were(
+    tiny_model, skip_zero_advantage: bool
+) -> None:
+    """After a real step AdamW has momentum; a zero gradient would still move every weight. A
+    minibatch whose every advantage is 0 (beta 0) takes no step, whether its rows ran or not."""
+    model, _ = tiny_model
+    policy = wrap_policy(copy.deepcopy(model), "none", DistContext())
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    algo = AlgoConfig(speed=SpeedConfig(skip_zero_advantage=skip_zero_advantage))
+    live = group_records("a", [5, 6, 7], [[8, 9], [10, 11, 12]], [1.0, -1.0])
+    first, _ = minibatch_update(policy, optimizer, pack_records(live, 2), None, None, algo, 1.0, 16)
+    assert first.optimizer_steps == 1 and first.idle_steps == 0
+    weights = copy.deepcopy(policy.state_dict())
+    moments = copy.deepcopy(optimizer.state_dict())
+    dead = group_records("b", [5, 6, 7], [[8, 9], [10, 11, 12]], [0.0, 0.0])
+    idle, _ = minibatch_update(policy, optimizer, pack_records(dead, 2), None, None, algo, 1.0, 16)
+    assert (idle.optimizer_steps, idle.idle_steps, idle.skipped_steps) == (0, 1, 0)
+    for name, value in policy.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    for key, state in optimizer.state_dict()["state"].items():
+        assert int(state["step"]) == int(moments["state"][key]["step"]) == 1
 
 
 # ---- What the update's metrics count: `trained_tokens` is the loss mask's tokens however the
