@@ -124,11 +124,11 @@ def minibatch_update(
     local_tokens = batch.loss_mask[rows].sum() if rows else torch.tensor(0)
     trained_tokens = float(global_sum(local_tokens.to(torch.float64), ctx))
     # with beta = 0 (no ref), a zero-advantage row adds exactly 0: its forward pass is skipped
+    live = rows_with_loss(batch, skip_zero_advantage=True, rows=rows)
     skip = algo.speed.skip_zero_advantage and ref is None
-    micro = _micro_batches(batch, rows_with_loss(batch, skip_zero_advantage=skip, rows=rows),
-                           algo, ctx)  # fmt: skip
-    signal = ref is not None or _any_rank(rows_with_loss(batch, skip_zero_advantage=True,
-                                                         rows=rows), ctx)  # fmt: skip
+    run = live if skip else rows_with_loss(batch, skip_zero_advantage=False, rows=rows)
+    micro = _micro_batches(batch, run, algo, ctx)
+    signal = ref is not None or _any_rank(live, ctx)
     sequence_tokens = _sequence_tokens(batch)  # [B]
     seen = torch.zeros(batch.input_ids.shape)  # [B, T]
     written = torch.zeros(batch.input_ids.shape)  # [B, T]
