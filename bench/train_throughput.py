@@ -28,8 +28,8 @@ Ceilings, measured in the same run (`ceiling` child, once per round): matmul FLO
 model's own linear shapes (forward and both backward products, fp32 and bf16), the memory
 bandwidth of streaming a buffer far larger than the caches, and the time torch's own kernels take
 for one decode step's matmuls at the step's batch (every weight read once, `rows` rows; the
-fastest of `F.linear` and oneDNN on reordered weights). Each
-phase is reported against its bound:
+fastest of `F.linear`, oneDNN on reordered weights, and oneDNN with each layer's q/k/v and gate/up
+stacked into one weight). Each phase is reported against its bound:
 - update (reference + policy forward, backward): the time its matmuls take at the measured
   FLOP/s, over the time it took. FLOPs counted exactly: 2 x (layer parameters) per computed
   token per forward (4x for the backward), and the LM head's 2 x (vocab x hidden) only for the
@@ -437,20 +437,28 @@ def bandwidth_gb_s() -> float:
 def decode_matmul_s(rows: int, dtype: torch.dtype) -> dict[str, float]:
     """Seconds one decode step's matmuls take at `rows` rows, every layer's weights and the LM
     head each read once (fresh weights per layer, as in the model: no cache reuse), per kernel:
-    `F.linear` (MKL on x86), and oneDNN on weights reordered once (`rollout/packed_linear.py`,
-    what the `hf` backend decodes with)."""
+    `F.linear` (MKL on x86), oneDNN on weights reordered once (`rollout/packed_linear.py`), and
+    oneDNN with q/k/v and gate/up each stacked into one weight (what the `hf` backend decodes
+    with: `FUSED_SIBLINGS`)."""
     layer, layers, _, vocab = model_shapes()
     hidden = model_config().hidden_size
     shapes = layer * layers + [(hidden, vocab)]
-    weights = [torch.randn(o, i, dtype=dtype) for i, o in shapes]
+    q, k, v, out_proj, gate, up, down = layer
+    fused = [(q[0], q[1] + k[1] + v[1]), out_proj, (gate[0], gate[1] + up[1]), down]
+    stacked = fused * layers + [(hidden, vocab)]
     inputs = {i: torch.randn(rows, i, dtype=dtype) for i, _ in shapes}
+    weights = [torch.randn(o, i, dtype=dtype) for i, o in shapes]
     times = {"F.linear": _best_of(lambda: [inputs[w.shape[1]] @ w.T for w in weights])}
     bf16_ok = dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if torch.backends.mkldnn.is_available() and bf16_ok:
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
-        pairs = [(inputs[w.shape[1]], p) for w, p in zip(weights, packed, strict=True)]
         linear = torch.ops.mkldnn._linear_pointwise
-        times["oneDNN"] = _best_of(lambda: [linear(x, p, None, "none", [], "") for x, p in pairs])
+        for name, kernel_shapes in (("oneDNN", shapes), ("oneDNN fused", stacked)):
+            packed = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(o, i, dtype=dtype), rows)
+                      for i, o in kernel_shapes]  # fmt: skip
+            pairs = [(inputs[i], p) for (i, _), p in zip(kernel_shapes, packed, strict=True)]
+            times[name] = _best_of(lambda pairs=pairs: [linear(x, p, None, "none", [], "")
+                                                        for x, p in pairs])  # fmt: skip
+            del packed, pairs
     return times
 
 

@@ -69,8 +69,8 @@ def test_weights_changed_in_place_are_repacked_and_release_frees_the_copies():
     with torch.inference_mode(), packed.active():
         after = model(x)
     assert torch.allclose(after, -2.0 * before, rtol=1e-5, atol=1e-6)
-    assert id(packed._packed[model[0]].weight) in reordered  # the untouched layer kept its copy
-    assert id(packed._packed[model[1]].weight) not in reordered
+    assert id(packed._packed[(model[0],)].weight) in reordered  # the untouched layer kept its copy
+    assert id(packed._packed[(model[1],)].weight) not in reordered
     with torch.no_grad():
         model[0].bias.add_(1.0)  # a bias alone changes too
     with torch.inference_mode():
@@ -81,6 +81,68 @@ def test_weights_changed_in_place_are_repacked_and_release_frees_the_copies():
     assert not torch.allclose(after_bias, after, rtol=1e-3, atol=1e-3)
     packed.release()
     assert not packed._packed
+
+
+class Block(nn.Module):
+    """A decoder layer's linears under the names every family we decode uses."""
+
+    def __init__(self, up_in: int = 64) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(64, 64), nn.Linear(64, 16)  # biased, as in Qwen2
+        self.v_proj, self.o_proj = nn.Linear(64, 16), nn.Linear(64, 64)
+        self.gate_proj = nn.Linear(64, 96, bias=False)
+        self.up_proj = nn.Linear(up_in, 96, bias=False)
+
+
+def test_siblings_run_as_one_matmul_and_each_gets_its_own_output(monkeypatch):
+    torch.manual_seed(0)
+    block = Block()
+    names = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "o_proj")
+    packed = PackedLinears(block, torch.float32, max_rows=8)
+    x, y = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
+    calls: list[int] = []
+    kernel = torch.ops.mkldnn._linear_pointwise
+
+    def spy(inp, weight, *args):  # type: ignore[no-untyped-def]
+        calls.append(weight.shape[0] if weight.dim() == 2 else -1)
+        return kernel(inp, weight, *args)
+
+    def check(name: str, inp: torch.Tensor, out: torch.Tensor) -> None:
+        layer = getattr(block, name)
+        error = (out - F.linear(inp, layer.weight, layer.bias)).abs()
+        assert error.le(rounding_bound(inp, layer)).all(), name
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    with torch.inference_mode(), packed.active():
+        outs = {name: getattr(block, name)(x) for name in names}
+        assert len(calls) == 3  # q/k/v as one, gate/up as one, o alone
+        for name, out in outs.items():
+            check(name, x, out)
+        # another order, another input, a sibling asked twice: right values, computed again
+        check("v_proj", y, block.v_proj(y))
+        check("q_proj", x, block.q_proj(x))
+        check("q_proj", x, block.q_proj(x))
+        check("k_proj", x, block.k_proj(x))
+        assert len(calls) == 6
+    assert {tuple(g) for g in packed._packed} == {
+        (block.q_proj, block.k_proj, block.v_proj),
+        (block.gate_proj, block.up_proj),
+        (block.o_proj,),
+    }
+    with torch.no_grad():
+        block.k_proj.weight.mul_(-2.0)  # one member changed: the group is packed again
+    with torch.inference_mode(), packed.active():
+        check("k_proj", x, block.k_proj(x))
+        check("q_proj", x, block.q_proj(x))
+
+
+def test_siblings_of_different_input_sizes_stay_apart():
+    block = Block(up_in=32)
+    packed = PackedLinears(block, torch.float32)
+    with torch.inference_mode(), packed.active():
+        block.up_proj(torch.randn(2, 32))
+    groups = {tuple(g) for g in packed._packed}
+    assert (block.gate_proj,) in groups and (block.up_proj,) in groups
 
 
 def test_bf16_packs_once_what_autocast_computes_per_call():
