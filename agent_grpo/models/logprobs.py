@@ -76,7 +76,9 @@ def _upcast(logits: Tensor) -> Tensor:
 
 def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float) -> Tensor:
     """`log_softmax(head(hidden) / temperature)` at `targets`, for one chunk of tokens."""
-    logits = _upcast(head(hidden)) / temperature  # [N, V]
+    logits = _upcast(head(hidden))  # [N, V]
+    if temperature != 1.0:  # x / 1 == x exactly: skip a vocabulary-wide copy and its backward
+        logits = logits / temperature
     picked = logits.gather(-1, targets[:, None]).squeeze(-1)  # [N]
     return picked - torch.logsumexp(logits, dim=-1)  # [N]
 
