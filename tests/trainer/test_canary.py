@@ -176,7 +176,9 @@ def test_a_run_checks_the_canary_every_n_pushes(tmp_path, tiny_model_dir) -> Non
     rows = metrics(run)
     assert [r["canary_gap"] is None for r in rows] == [True, False, True]  # pushes 1, 2, 3
     assert rows[1]["canary_gap"] == 0.0  # the hf engine samples from the trainer's weights
-    assert rows[1]["canary_time_s"] > 0 and rows[0]["canary_time_s"] < rows[1]["canary_time_s"]
+    # its cost is logged; no comparison of wall times (a GC pause in an unchecked step's
+    # bookkeeping outlasted the tiny model's check once)
+    assert rows[1]["canary_time_s"] > 0
 
 
 def test_a_push_that_never_arrives_stops_the_run_naming_the_engine(
