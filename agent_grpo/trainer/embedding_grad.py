@@ -2,13 +2,13 @@
 dense `[vocab, hidden]` tensor of its own.
 
 Autograd's embedding backward makes a zero `[V, H]` gradient and adds the looked-up rows into
-it; with the LM head tied to the embedding (SmolLM2, Gemma, small Qwen models) autograd then adds
-that into the head's own `[V, H]` gradient. For the embedded model each is a fresh 113 MB tensor,
-once per backbone pass (the shared-prefix update runs two), and fresh pages are slow to fault in:
-zeroing one took 217-239 ms on the Intel Xeon (docs/benchmarks.md, "The update on the Intel Xeon,
-profiled"). Here the lookup's backward adds its rows (`index_add_`) into `weight.grad` itself,
-as Megatron-LM's gradient-accumulation fusion writes its linear layers' weight gradients into
-their `main_grad`. The values are those of autograd's sum up to the order of the additions.
+it; with the LM head tied to the embedding (SmolLM2, small Qwen models) autograd then adds that
+into the head's own `[V, H]` gradient: two fresh vocabulary-sized tensors per backbone pass (the
+shared-prefix update runs two), slow to fault in on CPU (docs/benchmarks.md, "The update on the
+Intel Xeon, profiled"). Here the lookup's backward adds its rows (`index_add_`) into
+`weight.grad` itself, as Megatron-LM's gradient-accumulation fusion writes its linear layers'
+weight gradients into their `main_grad`. The values are those of autograd's sum up to the order
+of the additions.
 
 How: the lookup reads a detached view of the weight, so autograd gives it no gradient edge to
 the weight; an empty anchor tensor that requires grad makes autograd run its backward. The
@@ -16,9 +16,13 @@ weight's other uses (the tied head) reach `.grad` through autograd as usual, bef
 this write, and both accumulate in place (`zero_grad(set_to_none=True)` leaves `.grad` None, so
 the first writer makes it). This holds only where nothing reads a gradient while backward runs:
 one process, because DDP's and FSDP's reducers start the all-reduce as soon as autograd has
-accumulated a parameter, and no `optimizer_in_backward`, which steps a parameter then too. So
-`set_up` installs it there alone, and only on a plain `nn.Embedding` with no `max_norm`,
-`scale_grad_by_freq` or `sparse` (Gemma's scaled embedding keeps autograd's path).
+accumulated a parameter, and no `optimizer_in_backward`, which steps a parameter then too.
+For the same reason the weight's own gradient hooks never see this part, and
+`torch.autograd.grad(..., [weight])` or `backward(inputs=...)` would leave it out (the trainer
+uses neither). `set_up` installs it only where `wanted` says (on CPU too, whose page faults
+it avoids: on CUDA `index_add_` adds atomically, in no fixed order), and only on a plain
+`nn.Embedding` with no `max_norm`, `scale_grad_by_freq` or `sparse` (Gemma's scaled embedding
+keeps autograd's path).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["add_embedding_grad_in_place"]
+__all__ = ["add_embedding_grad_in_place", "wanted"]
 
 
 class _Target:
@@ -73,6 +77,12 @@ def _forward(self: nn.Embedding, ids: Tensor) -> Tensor:
         return cast(Tensor, type(self).forward(self, ids))
     anchor = torch.empty(0, device=ids.device, requires_grad=True)
     return cast(Tensor, _LookupIntoGrad.apply(ids, anchor, _Target(self.weight, self.padding_idx)))
+
+
+def wanted(distributed: bool, device: torch.device, optimizer_in_backward: bool) -> bool:
+    """Whether a run may add the embedding's gradient in place: one process (no reducer reads a
+    gradient during backward), no optimizer stepping inside backward, on CPU."""
+    return not distributed and not optimizer_in_backward and device.type == "cpu"
 
 
 def add_embedding_grad_in_place(model: nn.Module) -> bool:

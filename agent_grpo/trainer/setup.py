@@ -29,9 +29,9 @@ from agent_grpo.rollout.backends.factory import build_backend, rollout_limits
 from agent_grpo.rollout.config import VLLMBackendConfig
 from agent_grpo.rollout.sources import build_rollouts
 from agent_grpo.run_dir.writer import RunWriter
+from agent_grpo.trainer import embedding_grad
 from agent_grpo.trainer.backward_steps import BackwardSteps
 from agent_grpo.trainer.checkpoint import TrainerState, read_state, restore, save
-from agent_grpo.trainer.embedding_grad import add_embedding_grad_in_place
 from agent_grpo.trainer.lora import load_adapter, wrap_lora
 from agent_grpo.trainer.optimizer import adamw
 from agent_grpo.trainer.parallel import (
@@ -95,8 +95,8 @@ def set_up(config: TrainConfig, resume: bool, ctx: DistContext, progress: RunPro
     policy = load_policy(config, checkpoint, ctx).to(ctx.device).eval()
     if config.algo.speed.recompute_mlp:
         recompute_mlps(policy)
-    if not ctx.distributed and not config.algo.speed.optimizer_in_backward:
-        add_embedding_grad_in_place(policy)  # safe only where no hook reads a gradient early
+    if embedding_grad.wanted(ctx.distributed, ctx.device, config.algo.speed.optimizer_in_backward):
+        embedding_grad.add_embedding_grad_in_place(policy)
     sampler = sampler_model(policy, config, ctx)
     backend = build_engine(config, sampler, tokenizer, model_path, checkpoint)
     stop = env_stop_strings(config.env.id, config.env.kwargs)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from agent_grpo.models.logprobs import micro_batch_logprobs
-from agent_grpo.trainer.embedding_grad import add_embedding_grad_in_place
+from agent_grpo.trainer.embedding_grad import add_embedding_grad_in_place, wanted
 
 
 def _loss(model: nn.Module, seed: int) -> torch.Tensor:
@@ -93,3 +93,12 @@ def test_only_a_plain_embedding_is_changed() -> None:
     assert not add_embedding_grad_in_place(LM(Scaled(10, 4)))
     assert not add_embedding_grad_in_place(LM(nn.Embedding(10, 4, max_norm=1.0)))
     assert add_embedding_grad_in_place(LM(nn.Embedding(10, 4)))
+
+
+def test_wanted_only_in_one_cpu_process_without_steps_in_backward() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert wanted(distributed=False, device=cpu, optimizer_in_backward=False)
+    # a reducer (DDP, FSDP) or an in-backward step would read the gradient before the rows land
+    assert not wanted(distributed=True, device=cpu, optimizer_in_backward=False)
+    assert not wanted(distributed=False, device=cpu, optimizer_in_backward=True)
+    assert not wanted(distributed=False, device=cuda, optimizer_in_backward=False)

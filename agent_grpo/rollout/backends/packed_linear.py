@@ -24,7 +24,9 @@ vLLM's `QKVParallelLinear` and `MergedColumnParallelLinear` do: one wider matmul
 bytes with fewer kernel calls. The first sibling called with an input computes every sibling's
 output; each of the others takes its slice when called with that very tensor, once, and computes
 the whole group again otherwise, so a model that calls them in another order or on different
-inputs gets the same values, only without the saving.
+inputs gets the same values, only without the saving. This assumes the tensor is unchanged
+between the siblings' calls (inference tensors keep no version counter to check; every decoder
+`HFBackend` runs calls them back to back) and one decoding thread at a time.
 
 Departures: with `dtype` bf16 and fp32 weights this is what autocast would do (bf16 matmul, bf16
 output) with the weights cast once per version instead of on every call. Results differ from
@@ -48,8 +50,8 @@ __all__ = ["FUSED_SIBLINGS", "PackedLinears", "packing_supported"]
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-"""Names of sibling `nn.Linear`s that every decoder family we run (Llama, Qwen2/3, Mistral,
-Gemma3) applies to one input; vLLM's `packed_modules_mapping` names the same groups."""
+"""Names of sibling `nn.Linear`s that the decoder families `HFBackend` runs (Llama, Qwen2/3,
+Mistral) apply to one input; vLLM's `packed_modules_mapping` names the same groups."""
 
 
 def packing_supported(model: nn.Module, dtype: torch.dtype) -> bool:

@@ -189,6 +189,13 @@ def test_hf_backend_samples_the_same_tokens_packed_and_not(tiny_model, monkeypat
     # The decode steps' layers ran on oneDNN (a row per sequence still decoding; the short
     # prefills here fit `max_batch_size` rows too), never more rows than that.
     assert rows.count(len(prompts)) >= 7 * 11 and max(rows) <= backend.max_batch_size
+    for layer in model.model.layers:  # each layer's q/k/v and gate/up ran as one matmul
+        attention, mlp = layer.self_attn, layer.mlp
+        assert (attention.q_proj, attention.k_proj, attention.v_proj) in backend.packed._packed
+        assert (mlp.gate_proj, mlp.up_proj) in backend.packed._packed
+    # 12 tokens each: the first from the prefill, whose LM head ran on one row per prompt, then
+    # 11 decode steps of 4 matmuls a layer (7 unfused) and the head
+    assert rows.count(len(prompts)) == 1 + 11 * (4 * len(model.model.layers) + 1)
     monkeypatch.undo()
     plain = HFBackend(model, tokenizer, packed_decode=False).generate(prompts, sampling, [0, 1, 2])
     for a, b in zip(packed, plain, strict=True):
