@@ -37,20 +37,12 @@ from torch import Tensor, nn
 __all__ = ["add_embedding_grad_in_place", "wanted"]
 
 
-class _Target:
-    """The parameter the lookup's gradient goes into: not a tensor argument, so autograd makes
-    no edge to it."""
-
-    def __init__(self, weight: Tensor, padding_idx: int | None) -> None:
-        self.weight = weight
-        self.padding_idx = padding_idx
-
-
 class _LookupIntoGrad(torch.autograd.Function):
     """`F.embedding(ids, weight)` whose backward adds the rows into `weight.grad` directly."""
 
     @staticmethod
-    def forward(ctx: Any, ids: Tensor, anchor: Tensor, target: _Target) -> Tensor:
+    def forward(ctx: Any, ids: Tensor, anchor: Tensor, target: nn.Embedding) -> Tensor:
+        # `target` is a module, not a tensor argument: autograd makes no edge to its weight
         ctx.save_for_backward(ids)
         ctx.target = target
         return F.embedding(ids, target.weight.detach(), target.padding_idx)  # [..., H]
@@ -58,7 +50,7 @@ class _LookupIntoGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:
         (ids,) = ctx.saved_tensors
-        target: _Target = ctx.target
+        target: nn.Embedding = ctx.target
         rows = ids.reshape(-1)  # [N]
         values = grad.reshape(-1, grad.shape[-1])  # [N, H]
         if target.padding_idx is not None:  # as F.embedding: the padding row gets no gradient
@@ -76,7 +68,7 @@ def _forward(self: nn.Embedding, ids: Tensor) -> Tensor:
     if not (torch.is_grad_enabled() and self.weight.requires_grad):
         return cast(Tensor, type(self).forward(self, ids))
     anchor = torch.empty(0, device=ids.device, requires_grad=True)
-    return cast(Tensor, _LookupIntoGrad.apply(ids, anchor, _Target(self.weight, self.padding_idx)))
+    return cast(Tensor, _LookupIntoGrad.apply(ids, anchor, self))
 
 
 def wanted(distributed: bool, device: torch.device, optimizer_in_backward: bool) -> bool:
