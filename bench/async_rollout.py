@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     here = Path(__file__).resolve().parent
     sys.path[:0] = [str(here)]
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1", object_store_memory=200 * 2**20,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})  # fmt: skip
     rows, results = [], {}

@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     # not other processes' load, so the window counts the whole process tree and closes
     # before Ray stops (workers orphaned at shutdown would leave the tree uncounted).
     tree = TreeCpu(os.getpid())  # killed actors' engine processes stay counted
-    ray.init(num_cpus=max(2, args.workers), include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=max(2, args.workers), include_dashboard=False,
+             log_to_driver=False,
              _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                                        "PYTHONPATH": str(here)}})  # fmt: skip

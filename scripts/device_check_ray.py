@@ -123,7 +123,8 @@ def vllm_actor_check(source: Path) -> None:
                 group_size=2, max_context_tokens=512, sampling=SamplingConfig(max_tokens=32)
             )
         )
-        ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False,
+                 log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": str(Path.cwd())}})  # fmt: skip
         try:
             start = time.perf_counter()

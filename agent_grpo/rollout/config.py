@@ -103,7 +103,9 @@ class RayWorkers(ConfigModel):
     num_workers: int = Field(default=2, ge=1)
     """Rollout actors."""
     address: str | None = None
-    """An existing Ray cluster (`auto`, or `ray://host:port`); None starts a local instance."""
+    """An existing Ray cluster (`auto`, `host:port` or `ray://host:port`). None joins the cluster
+    in `RAY_ADDRESS` when that is set (as under `ray job submit`), and otherwise starts a private
+    local instance, never a cluster some `ray start` left running on the machine."""
     num_cpus_per_worker: float = Field(default=1.0, gt=0)
     """CPUs Ray reserves for each actor."""
     num_gpus_per_worker: float = Field(default=0.0, ge=0)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,6 +49,7 @@ __all__ = [
     "RayRollouts",
     "RolloutSource",
     "build_rollouts",
+    "ray_init_args",
     "staleness",
 ]
 
@@ -95,6 +97,21 @@ class RolloutSource(Protocol):
     def close(self) -> None:
         """Release the workers."""
         ...
+
+
+def ray_init_args(workers: RayWorkers, environ: Mapping[str, str]) -> dict[str, Any]:
+    """`ray.init` arguments for the configured workers: join `workers.address`, else the cluster
+    in `RAY_ADDRESS` (what `ray job submit` sets for its entry point), else start a private
+    local instance sized to the workers.
+
+    The last is `address="local"`, not Ray's default: with no address, `ray.init` joins the
+    cluster a `ray start` last left on this machine (its `ray_current_cluster` file), where our
+    `num_cpus` fails the start, or the actors would land on someone else's cluster."""
+    address = workers.address or environ.get("RAY_ADDRESS")
+    if address:
+        return {"address": address, "log_to_driver": False}
+    return {"address": "local", "num_cpus": max(2, workers.num_workers),
+            "include_dashboard": False, "log_to_driver": False}  # fmt: skip
 
 
 def staleness(result: RolloutResult, version: int) -> dict[int, int]:
@@ -196,11 +213,7 @@ class RayRollouts:
         started = not ray.is_initialized()
         if started:
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            if workers.address:
-                ray.init(address=workers.address, log_to_driver=False)
-            else:  # a private local instance, sized to the workers
-                ray.init(num_cpus=max(2, workers.num_workers), include_dashboard=False,
-                         log_to_driver=False)  # fmt: skip
+            ray.init(**ray_init_args(workers, os.environ))
         lora = config.model.lora
         if lora is not None:  # actors start from the base model; pushes set the adapter
             model_path = resolve_model_path(config.model.name_or_path)

@@ -1,11 +1,19 @@
-"""Where a step's rollouts come from: the local engine frees its caches once a collection ends."""
+"""Where a step's rollouts come from: the local engine frees its caches once a collection ends;
+Ray workers join the configured cluster, or a private local instance, never a stray one."""
 
 from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
 
 from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.rollout import step as rollout_step
 from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult, Task
-from agent_grpo.rollout.sources import LocalRollouts
+from agent_grpo.rollout.config import RayWorkers
+from agent_grpo.rollout.sources import LocalRollouts, ray_init_args
 from agent_grpo.testing.records import minimal_record
 
 
@@ -35,3 +43,44 @@ def test_the_local_engine_frees_its_caches_once_the_whole_collection_is_done(mon
     assert events.count("round") > 1  # dynamic sampling took extra rounds
     assert events[-1] == "free" and events.count("free") == 1
     assert {r.policy_version for r in result.records} == {3}
+
+
+@pytest.mark.parametrize(
+    ("address", "environ", "joins"),
+    [
+        ("head:6379", {}, "head:6379"),
+        ("head:6379", {"RAY_ADDRESS": "other:6379"}, "head:6379"),  # the config wins
+        (None, {"RAY_ADDRESS": "job:6379"}, "job:6379"),  # as under `ray job submit`
+        (None, {"RAY_ADDRESS": ""}, None),
+        (None, {}, None),
+    ],
+)
+def test_workers_join_the_named_cluster_or_start_their_own(
+    address: str | None, environ: dict[str, str], joins: str | None
+) -> None:
+    args = ray_init_args(RayWorkers(num_workers=3, address=address), environ)
+    if joins is None:  # a private instance, sized to the workers
+        assert args["address"] == "local" and args["num_cpus"] == 3
+    else:  # a cluster's size is its own: Ray refuses num_cpus when joining one
+        assert args["address"] == joins and "num_cpus" not in args
+
+
+@pytest.mark.slow
+def test_a_cluster_left_by_ray_start_is_not_joined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ray start` records its cluster in RAY_TMPDIR/ray/ray_current_cluster, which a plain
+    `ray.init()` joins: here that address is dead, so only a new local instance starts."""
+    ray = pytest.importorskip("ray")
+    temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths
+    try:
+        (temp / "ray").mkdir()
+        (temp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
+        monkeypatch.setenv("RAY_TMPDIR", str(temp))
+        monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        ray.init(**ray_init_args(RayWorkers(num_workers=2), {}))
+        try:
+            assert ray.cluster_resources()["CPU"] == 2
+        finally:
+            ray.shutdown()
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
