@@ -68,9 +68,16 @@ lint: install
 typecheck: install
 	$(BIN)/mypy -p agent_grpo
 
+# Two workers (pytest-xdist; a test file stays on one worker, so its module fixtures start once),
+# then the tests marked `serial` alone: they measure the machine's load or memory, or watch
+# host-wide state, which a test on the other worker would disturb. Tests run one-threaded
+# (tests/conftest.py), so two workers use the two cores without OpenMP threads fighting.
+PYTEST_WORKERS ?= 2
+
 pytest: install model model-gemma sandbox-deps
 	scripts/install-chromium.sh
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not serial" --durations=25
+	$(BIN)/python -m pytest -q -m serial --durations=10
 
 # The quick layers (golden math, property tests, units with the tiny model): no test marked slow.
 test-fast: install model

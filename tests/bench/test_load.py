@@ -18,6 +18,9 @@ sys.path.insert(0, str(BENCH))
 from load import LoadWindow  # noqa: E402
 from report import document  # noqa: E402
 
+# It measures other processes' load: a test beside it on another worker would be that load.
+pytestmark = pytest.mark.serial
+
 BURN = [sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"]
 
 

@@ -14,6 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# The bench samples the machine's load and uses both cores: alone, as a real bench run is.
+pytestmark = pytest.mark.serial
+
 
 @pytest.mark.slow
 def test_a_quick_run_of_our_side_sees_every_phase(tmp_path: Path) -> None:

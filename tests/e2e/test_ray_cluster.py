@@ -23,6 +23,10 @@ from agent_grpo.testing.ray_cluster import RayCluster, interface_bytes, ray_clus
 from agent_grpo.testing.reward_rules import reward_override
 from agent_grpo.testing.tiny_model import build_tiny_model
 
+# Three raylets and their actors: beside another worker's vLLM engines, Ray's memory monitor
+# killed the actors (seen with `pytest -n 2`).
+pytestmark = pytest.mark.serial
+
 PACKAGE_ROOT = Path(agent_grpo.__file__).resolve().parents[1]
 """Where the nodes' workers import agent_grpo from: the tree under test."""
 RESOURCE = {"rollout_node": 1.0}

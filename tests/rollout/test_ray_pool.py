@@ -28,6 +28,10 @@ from agent_grpo.testing.reward_rules import reward_override
 from agent_grpo.testing.tiny_model import build_tiny_model, save_tiny_llama
 from agent_grpo.trajectory.record import TrajectoryRecord
 
+# A local Ray instance with vLLM actors: Ray's memory monitor kills actors when the machine's
+# memory runs high, which another worker's engines can make it.
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -131,6 +135,7 @@ def ray_local() -> Any:
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'agent-grpo[ray]')")
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no usage report to the network
     ray.init(
+        address="local",  # never a cluster some `ray start` left on the machine
         num_cpus=2,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",

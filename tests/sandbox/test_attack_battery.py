@@ -38,6 +38,10 @@ from agent_grpo.sandbox.seccomp import blocked_syscalls_filter, native_abi
 from agent_grpo.tools.python import PYTHON_LIMITS, format_sandbox_result, python
 from agent_grpo.tools.tool import format_tool_result, run_tool_call
 
+# It checks host-wide state after each attack (shared memory, processes and files of the
+# sandbox's uids, /tmp): another worker's Ray object store or temp files would be counted.
+pytestmark = pytest.mark.serial
+
 IS_ROOT = os.geteuid() == 0
 TEST_UIDS = range(62000, 62016)
 """A uid range only these tests lease, so "nothing of this uid is left" cannot see other users."""
