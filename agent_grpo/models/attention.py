@@ -7,6 +7,9 @@ mask (`enable_gqa`), and our decode loop and our update always pass masks (paddi
 prefix). `sdpa_gqa`, registered with transformers' `AttentionInterface`, is its `sdpa` with that
 one change: masked calls on CPU go to `scaled_dot_product_attention(..., enable_gqa=True)`, and
 every other call (no mask, another device, a position bias, a paged cache) to `sdpa` itself.
+A call given a `shared_prefix` (the `hf` backend passes one through the model's keyword
+arguments) attends over that prefix's one copy and each row's own slots
+(`shared_prefix_attention.py`).
 
 Skipping the copy makes an `hf` rollout faster with the same tokens (docs/benchmarks.md,
 "Grouped-query attention without the KV copy"). The values are `sdpa`'s up to the kernel's
@@ -22,6 +25,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from agent_grpo.models.shared_prefix_attention import SharedPrefix, shared_prefix_attention
 
 __all__ = ["ATTENTION", "sdpa_gqa_forward", "use_grouped_sdpa"]
 
@@ -39,7 +44,17 @@ def sdpa_gqa_forward(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' `sdpa`, with a masked grouped-query call on CPU left grouped."""
+    """transformers' `sdpa`, with a masked grouped-query call on CPU left grouped; with a
+    `shared_prefix` (the `hf` backend's decoding), attention over it and the rows' own slots."""
+    prefix: SharedPrefix | None = kwargs.get("shared_prefix")
+    if prefix is not None:
+        assert attention_mask is not None, "the rows' own slots need their mask"
+        prefix_key, prefix_value = prefix.layers[module.layer_idx]  # type: ignore[index]
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = shared_prefix_attention(
+            query, key, value, attention_mask, prefix_key, prefix_value, scale
+        )  # [B, Q, H, D]
+        return out, None
     grouped = query.shape[1] != key.shape[1]
     plain = (
         attention_mask is None

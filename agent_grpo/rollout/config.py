@@ -39,6 +39,11 @@ class HFBackendConfig(ConfigModel):
     weight update (`agent_grpo/rollout/backends/packed_linear.py`), which streams them faster than
     `F.linear` at a few rows; it holds one more copy of the weights while a rollout runs.
     false: `F.linear` throughout."""
+    shared_prefix_attention: bool = True
+    """On CPU, the prefix every row of a batch starts with (an environment's system prompt and
+    tools) keeps one copy of its keys and values, and attention reads it once for all rows
+    (`agent_grpo/models/shared_prefix_attention.py`) instead of once per row. false: every row
+    holds the whole prefix in its own cache."""
 
 
 class VLLMBackendConfig(ConfigModel):

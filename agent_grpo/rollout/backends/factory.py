@@ -113,6 +113,7 @@ def build_backend(
             max_batch_size=config.max_batch_size,
             compute_dtype=compute_dtype,
             packed_decode=config.packed_decode,
+            shared_prefix_attention=config.shared_prefix_attention,
         )
     if isinstance(config, VLLMBackendConfig):
         return build_vllm(config, model_path, limits)

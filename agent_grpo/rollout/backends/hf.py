@@ -33,6 +33,11 @@ Departures from common practice, on purpose:
 - A call's prompts share prefills: the common prefix of all of them (an environment's system
   prompt and tool list) and every prompt the call holds more than once (a GRPO group's G copies
   of its task) are each prefilled once and served to the rows from the prefix cache.
+- A batch's shared prefix is held once (on CPU, with our attention): when every row reuses at
+  least `MIN_SHARED_PREFIX` common leading tokens from the cache, the batch's KV slots start
+  after them, one copy of their KV is kept beside the batch (`SharedPrefix`), and attention
+  reads that copy once for all rows (`models/shared_prefix_attention.py`); position ids start at
+  the prefix's length. Rows retired into the prefix cache get the prefix put back in front.
 
 `Generation.extra` holds `reused_tokens` and `prefill_tokens` (per row) and `prefill_s`/`decode_s`
 (of the row's batch); `HFBackend.stats` accumulates token counts over calls.
@@ -51,7 +56,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from agent_grpo.models.attention import ATTENTION
 from agent_grpo.models.logprobs import token_logprobs
+from agent_grpo.models.shared_prefix_attention import SharedPrefix
 from agent_grpo.rollout.backends.base import Generation, SamplingConfig
 from agent_grpo.rollout.backends.kv_cache import reserved_cache
 from agent_grpo.rollout.backends.packed_linear import PackedLinears, packing_supported
@@ -225,8 +232,9 @@ class PrefixCache:
         self.nbytes -= self._entries.pop(key).nbytes
 
 
-def _stack_prefixes(prefixes: list[KV | None], lengths: list[int]) -> KV:
-    """Right-align per-row cached KV into one batch: per layer `[B, H, max(lengths), D]`."""
+def _stack_prefixes(prefixes: list[KV | None], lengths: list[int], skip: int = 0) -> KV:
+    """Right-align per-row cached KV past its first `skip` slots into one batch: per layer
+    `[B, H, max(lengths), D]`, row b's slots `skip : skip + lengths[b]`."""
     template = next(kv for kv in prefixes if kv is not None)
     width = max(lengths)
     stacked: KV = []
@@ -235,21 +243,27 @@ def _stack_prefixes(prefixes: list[KV | None], lengths: list[int]) -> KV:
         values = v0.new_zeros(len(prefixes), v0.shape[0], width, v0.shape[2])  # [B, H, L, D]
         for row, (kv, n) in enumerate(zip(prefixes, lengths, strict=True)):
             if kv is not None and n > 0:
-                keys[row, :, width - n :] = kv[layer][0]
-                values[row, :, width - n :] = kv[layer][1]
+                keys[row, :, width - n :] = kv[layer][0][:, skip : skip + n]
+                values[row, :, width - n :] = kv[layer][1][:, skip : skip + n]
         stacked.append((keys, values))
     return stacked
 
 
-def _row_kv(cache: DynamicCache, row: int, valid_row: torch.Tensor) -> KV:
-    """One row's KV over its valid slots, copied out of the batch (so the batch can be freed)."""
+def _row_kv(
+    cache: DynamicCache, row: int, valid_row: torch.Tensor, shared: SharedPrefix | None
+) -> KV:
+    """One row's KV over the shared prefix (if any) and its valid slots, copied out of the
+    batch (so the batch can be freed)."""
     slots = valid_row.nonzero().squeeze(-1)  # [N]: found once, not once per layer
     kv: KV = []
-    for layer in cast(list[DynamicLayer], cache.layers):
+    for i, layer in enumerate(cast(list[DynamicLayer], cache.layers)):
         assert layer.keys is not None and layer.values is not None
-        kv.append(
-            (layer.keys[row].index_select(1, slots), layer.values[row].index_select(1, slots))
-        )
+        keys = layer.keys[row].index_select(1, slots)  # [H, N, D]
+        values = layer.values[row].index_select(1, slots)  # [H, N, D]
+        if shared is not None:
+            keys = torch.cat([shared.layers[i][0], keys], dim=1)  # [H, P + N, D]
+            values = torch.cat([shared.layers[i][1], values], dim=1)  # [H, P + N, D]
+        kv.append((keys, values))
     return kv
 
 
@@ -263,6 +277,9 @@ class BackendStats:
     """Prompt tokens served from the prefix cache instead."""
     generated_tokens: int = 0
     """Tokens sampled."""
+    shared_prefix_slots: int = 0
+    """Cache slots batches did not hold per row: each batch's shared prefix (`SharedPrefix`)
+    times its rows but one."""
 
 
 @dataclass
@@ -285,6 +302,9 @@ class _Batch:
     valid: torch.Tensor  # [B, K] bool
     logits: torch.Tensor  # [B, V] fp32
     uniforms: torch.Tensor  # [B, max_tokens]: the active rows' draws
+    shared: SharedPrefix | None = None
+    """The prefix every row starts with, held once; `cache` and `valid` cover the slots after
+    it."""
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -298,7 +318,26 @@ def _right_aligned(lengths: Sequence[int], width: int) -> torch.Tensor:
 
 
 MIN_SHARED_PREFIX = 16
-"""A batch's common prompt prefix is prefilled once when at least this many tokens are new."""
+"""A batch's common prompt prefix is prefilled once when at least this many tokens are new, and
+held once for all rows (`SharedPrefix`) when at least this long."""
+
+
+def _shared_prefix(
+    rows: Sequence[_Row], hits: Sequence[tuple[int, KV | None]]
+) -> SharedPrefix | None:
+    """The longest prefix every row reuses from the cache and every prompt starts with, taken
+    from the first row's cached KV; None under `MIN_SHARED_PREFIX` tokens or for one row."""
+    length = min(row.reused for row in rows)
+    if len(rows) < 2 or length < MIN_SHARED_PREFIX:
+        return None
+    heads = torch.tensor([row.prompt[:length] for row in rows])  # [B, n]
+    differs = (heads != heads[0]).any(dim=0)  # [n]
+    if bool(differs.any()):
+        length = int(differs.int().argmax())
+    kv = hits[0][1]
+    if length < MIN_SHARED_PREFIX or kv is None:
+        return None
+    return SharedPrefix(length, [(k[:, :length], v[:, :length]) for k, v in kv])
 
 
 class HFBackend:
@@ -316,6 +355,7 @@ class HFBackend:
         prefix_cache_bytes: int = 1 << 30,
         compute_dtype: torch.dtype | None = None,
         packed_decode: bool = True,
+        shared_prefix_attention: bool = True,
     ) -> None:
         layer_types = getattr(getattr(model, "config", None), "layer_types", None) or []
         if any(kind != "full_attention" for kind in layer_types):
@@ -336,6 +376,9 @@ class HFBackend:
         self.packed = PackedLinears(model, dtype, max_batch_size) if packed_decode else None
         """Decode steps' linear layers on oneDNN with reordered weights (`packed_linear.py`);
         None, or a model it does not support (not on CPU, say): `F.linear` throughout."""
+        self.shared_prefix_attention = shared_prefix_attention
+        """Hold a batch's common prefix once and attend over it once for all rows (on CPU, with
+        our attention implementation: `_holds_prefix_once`)."""
 
     @property
     def device(self) -> torch.device:
@@ -429,8 +472,8 @@ class HFBackend:
         prefix = prompts[0][:shared]
         valid = torch.ones(1, shared, dtype=torch.bool, device=self.device)  # [1, P]
         cache = DynamicCache()
-        self._forward(torch.tensor([prefix], device=self.device), valid, cache)
-        self.prefix_cache.insert(prefix, _row_kv(cache, 0, valid[0]))
+        self._forward(torch.tensor([prefix], device=self.device), valid, cache, None)
+        self.prefix_cache.insert(prefix, _row_kv(cache, 0, valid[0], None))
         self.stats.prefill_tokens += shared
 
     def _warm_repeated_prompts(self, prompts: list[list[int]]) -> None:
@@ -447,7 +490,9 @@ class HFBackend:
         rows = [_Row(head, hit[0], torch.empty(0)) for head, hit in todo]
         batch = self._prefill(rows, [hit for _, hit in todo], max_tokens=0)
         for b, row in enumerate(rows):
-            self.prefix_cache.insert(row.prompt, _row_kv(batch.cache, b, batch.valid[b]))
+            self.prefix_cache.insert(
+                row.prompt, _row_kv(batch.cache, b, batch.valid[b], batch.shared)
+            )
         self.stats.prefill_tokens += sum(len(row.prompt) - row.reused for row in rows)
 
     def _generate_chunk(
@@ -477,14 +522,19 @@ class HFBackend:
         self, rows: list[_Row], hits: list[tuple[int, KV | None]], max_tokens: int
     ) -> _Batch:
         """One forward over every row's uncached suffix, on top of its reused prefix KV, into a
-        cache with room for `max_tokens` more slots."""
+        cache with room for `max_tokens` more slots. The prefix all rows reuse, when long enough,
+        stays out of the batch's cache: held once (`_Batch.shared`)."""
+        shared = _shared_prefix(rows, hits) if self._holds_prefix_once() else None
+        skip = shared.length if shared is not None else 0
+        self.stats.shared_prefix_slots += skip * (len(rows) - 1)
         suffixes = [row.prompt[row.reused :] for row in rows]
         width = max(len(s) for s in suffixes)
         ids = torch.zeros(len(rows), width, dtype=torch.long)  # [B, S]
         for b, suffix in enumerate(suffixes):
             ids[b, width - len(suffix) :] = torch.tensor(suffix)
-        reused = [row.reused for row in rows]
-        past = _stack_prefixes([kv for _, kv in hits], reused) if max(reused) > 0 else None
+        reused = [row.reused - skip for row in rows]  # cached slots the batch's cache holds
+        prefixes = [kv for _, kv in hits]
+        past = _stack_prefixes(prefixes, reused, skip) if max(reused) > 0 else None
         valid = torch.cat(
             [
                 _right_aligned(reused, max(reused)),
@@ -493,10 +543,16 @@ class HFBackend:
             dim=1,
         ).to(self.device)  # [B, L + S]
         cache = reserved_cache(valid.shape[1] + max_tokens, past)
-        logits = self._forward(ids.to(self.device), valid, cache)
+        logits = self._forward(ids.to(self.device), valid, cache, shared)
         uniforms = torch.stack([row.uniforms for row in rows]) if max_tokens else torch.empty(0)
         uniforms = uniforms.to(self.device)  # [B, max_tokens]
-        return _Batch(list(range(len(rows))), cache, valid, logits, uniforms)
+        return _Batch(list(range(len(rows))), cache, valid, logits, uniforms, shared)
+
+    def _holds_prefix_once(self) -> bool:
+        """Whether batches hold their shared prefix once: asked for, on CPU (the kernel
+        `shared_prefix_attention` uses), and the model on our attention, which takes it."""
+        attention = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        return self.shared_prefix_attention and self.device.type == "cpu" and attention == ATTENTION
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast to `compute_dtype` when it is not fp32, else nothing."""
@@ -504,17 +560,26 @@ class HFBackend:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
-    def _forward(self, ids: torch.Tensor, valid: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
-        """Run the last `ids.shape[1]` slots of `valid` through the model; last logits `[B, V]`."""
+    def _forward(
+        self, ids: torch.Tensor, valid: torch.Tensor, cache: DynamicCache,
+        shared: SharedPrefix | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Run the last `ids.shape[1]` slots of `valid` (after the `shared` prefix, if any)
+        through the model; last logits `[B, V]`."""
         dtype = self.compute_dtype or next(self.model.parameters()).dtype
+        # our attention (`models/attention.py`) takes the prefix from the keyword arguments
+        # transformers hands every layer's attention
+        extra = {} if shared is None else {"shared_prefix": shared}
+        positions = position_ids(valid, ids.shape[1]) + (shared.length if shared else 0)
         with self._autocast():
             out = self.model(
                 input_ids=ids,
                 attention_mask=attention_bias(valid, ids.shape[1], dtype),
-                position_ids=position_ids(valid, ids.shape[1]),
+                position_ids=positions,
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **extra,
             )
         return out.logits[:, -1].float()
 
@@ -532,7 +597,8 @@ class HFBackend:
                 keep.append(b)
             else:
                 covered = row.prompt + row.tokens[:-1]  # the last token was never fed
-                self.prefix_cache.insert(covered, _row_kv(batch.cache, b, batch.valid[b]))
+                kv = _row_kv(batch.cache, b, batch.valid[b], batch.shared)
+                self.prefix_cache.insert(covered, kv)
         if len(keep) < len(batch.active):
             index = torch.tensor(keep, dtype=torch.long, device=batch.valid.device)
             batch.cache.batch_select_indices(index)
@@ -542,7 +608,7 @@ class HFBackend:
         if keep:
             ones = torch.ones(len(keep), 1, dtype=torch.bool, device=batch.valid.device)
             batch.valid = torch.cat([batch.valid, ones], dim=1)  # [B', K + 1]
-            batch.logits = self._forward(tokens[:, None], batch.valid, batch.cache)
+            batch.logits = self._forward(tokens[:, None], batch.valid, batch.cache, batch.shared)
 
     def _finish_reason(self, tokens: list[int], sampling: SamplingConfig) -> Finish | None:
         if tokens[-1] in self.eos_token_ids:

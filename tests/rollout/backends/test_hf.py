@@ -455,3 +455,59 @@ def test_repeated_prompts_are_prefilled_once(model_and_prompts):
     ] * 2 + [common]
     encoded = common + (len(tasks[0]) - 1 - common) + (len(tasks[1]) - 1 - common)
     assert backend.stats.prefill_tokens == encoded + 5 + len(tasks[2]) - common
+
+
+def test_a_batch_holds_its_shared_prefix_once(model_and_prompts):
+    """The prefix every row starts with (here the chat template's system prompt) stays out of
+    the rows' caches, one copy beside the batch, turn after turn: greedy decoding gives the
+    same tokens, with logprobs within fp32 rounding, as rows that each hold it, and sampled
+    logprobs are a full forward pass's. (Sampled tokens are not compared: this tiny model's
+    49k near-equal probabilities put a CDF boundary within fp32 rounding of about 1% of draws.)"""
+    model, tokenizer, prompts = model_and_prompts
+    once = HFBackend(model, tokenizer)
+    per_row = HFBackend(model, tokenizer, shared_prefix_attention=False)
+    batch = prompts + prompts[1:]  # mixed lengths, two prompts twice
+    common = min(common_prefix_len(torch.tensor(batch[0]), torch.tensor(p)) for p in batch)
+    assert common >= 16  # long enough to be held once
+    glue = tokenizer.encode(
+        "<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
+    held_once = []
+    for turn in range(3):
+        got = once.generate(batch, GREEDY, [0] * 5)
+        want = per_row.generate(batch, GREEDY, [0] * 5)
+        for a, b in zip(got, want, strict=True):
+            assert a.token_ids == b.token_ids, turn
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5), turn
+            assert a.extra["reused_tokens"] == b.extra["reused_tokens"], turn
+        held_once.append(once.stats.shared_prefix_slots)
+        batch = [p + g.token_ids + glue for p, g in zip(batch, got, strict=True)]
+    # turn 1: at least the main batch's 4 other rows; later turns reuse more than the prefix
+    assert held_once[0] >= 4 * common and held_once[2] > held_once[1] > held_once[0]
+    assert per_row.stats.shared_prefix_slots == 0
+    sampled = once.generate(batch, SamplingConfig(temperature=1.0, max_tokens=8), [1, 2, 3, 4, 5])
+    assert once.stats.shared_prefix_slots > held_once[2]
+    for prompt, gen in zip(batch, sampled, strict=True):
+        _, expected = full_forward_logprobs(model, prompt + gen.token_ids, len(prompt), 1.0)
+        assert torch.allclose(torch.tensor(gen.logprobs), expected, atol=1e-4)
+
+
+def test_a_shared_prefix_under_bf16_autocast(model_and_prompts):
+    """Sampling under bf16 autocast from fp32 weights (`model.dtype: bfloat16`) holds the prefix
+    once too: bf16 queries, keys and mask through the two-part attention. The first token of
+    each row, drawn from the same context both ways, gets the same logprob within bf16
+    rounding of logits of this size."""
+    model, tokenizer, prompts = model_and_prompts
+    batch = prompts + prompts[1:]
+    once = HFBackend(model, tokenizer, compute_dtype=torch.bfloat16)
+    per_row = HFBackend(
+        model, tokenizer, compute_dtype=torch.bfloat16, shared_prefix_attention=False
+    )
+    got, want = (b.generate(batch, GREEDY, [0] * 5) for b in (once, per_row))
+    assert once.stats.shared_prefix_slots > 0 and per_row.stats.shared_prefix_slots == 0
+    for a, b in zip(got, want, strict=True):
+        assert all(math.isfinite(x) for x in a.logprobs)
+        if a.token_ids[0] == b.token_ids[0]:
+            assert a.logprobs[0] == pytest.approx(b.logprobs[0], abs=0.05)
+    assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(got, want, strict=True)) >= 4
