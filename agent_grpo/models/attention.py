@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from agent_grpo.models.shared_prefix_attention import SharedPrefix, shared_prefix_attention
+from agent_grpo.models.shared_prefix_attention import SharedPrefix, cascade_attention
 
 __all__ = ["ATTENTION", "sdpa_gqa_forward", "use_grouped_sdpa"]
 
@@ -49,9 +49,13 @@ def sdpa_gqa_forward(
     prefix: SharedPrefix | None = kwargs.get("shared_prefix")
     if prefix is not None:
         assert attention_mask is not None, "the rows' own slots need their mask"
+        # decoding only: no dropout, and no model whose attention takes more than q, k, v, mask
+        assert (
+            dropout == 0.0 and kwargs.get("s_aux") is None and kwargs.get("position_bias") is None
+        )
         prefix_key, prefix_value = prefix.layers[module.layer_idx]  # type: ignore[index]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = shared_prefix_attention(
+        out = cascade_attention(
             query, key, value, attention_mask, prefix_key, prefix_value, scale
         )  # [B, Q, H, D]
         return out, None

@@ -1,9 +1,9 @@
 """Attention for a batch whose rows all start with one prefix, its keys and values held once.
 
-A rollout's rows share a long prefix: the environment's system prompt and tool list, which were
-225 of the 254-359 tokens of every Calculator-v0 episode in the demo. Held per row, that prefix's
-keys and values are most of what a decode step's attention reads, and reading them is most of
-its attention's time, which was a quarter of the demo's decode time. Here the batch's cache holds
+A rollout's rows share a long prefix: the environment's system prompt and tool list, most of
+every Calculator-v0 episode's tokens in the demo (docs/benchmarks.md, "The demo, profiled").
+Held per row, that prefix's keys and values are most of what a decode step's attention reads,
+and reading them is most of its attention's time. Here the batch's cache holds
 only each row's own slots after the prefix, and attention is computed in two parts merged by
 their softmax normalisers: every row's queries against the one copy of the prefix (all rows'
 queries as one long sequence, so the prefix is read once), and each row's queries against its
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SharedPrefix", "shared_prefix_attention"]
+__all__ = ["SharedPrefix", "cascade_attention"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class SharedPrefix:
     """Per layer (keys, values), each `[H_kv, P, D]`, rotary embedding applied as cached."""
 
 
-def shared_prefix_attention(
+def cascade_attention(
     query: torch.Tensor,  # [B, H, Q, D]
     key: torch.Tensor,  # [B, H_kv, K, D]: each row's own slots
     value: torch.Tensor,  # [B, H_kv, K, D]

@@ -1,4 +1,4 @@
-"""`shared_prefix_attention` (agent_grpo/models/shared_prefix_attention.py): attention over one
+"""`cascade_attention` (agent_grpo/models/shared_prefix_attention.py): attention over one
 copy of a prefix plus each row's own slots is attention over their concatenation. A hand-derived
 case first, then torch's own attention over the concatenated keys as the reference."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agent_grpo.models.shared_prefix_attention import shared_prefix_attention
+from agent_grpo.models.shared_prefix_attention import cascade_attention
 
 MIN = torch.finfo(torch.float32).min
 
@@ -29,14 +29,23 @@ def test_a_zero_query_averages_every_visible_value():
     key = torch.randn(2, 1, 2, 1)
     value = torch.tensor([[[[7.0], [5.0]]], [[[10.0], [20.0]]]])  # [B, H_kv, K, D]
     mask = additive(torch.tensor([[[False, True]], [[True, True]]]))  # row 0's slot 0 is padding
-    out = shared_prefix_attention(query, key, value, mask, prefix_key, prefix_value, scale=1.0)
+    out = cascade_attention(query, key, value, mask, prefix_key, prefix_value, scale=1.0)
     assert out.shape == (2, 1, 1, 1)  # [B, Q, H, D]
     assert out.flatten().tolist() == pytest.approx([3.0, 8.5], abs=1e-6)
 
 
-def case(batch: int, q_len: int, own: int, prefix: int, dtype: torch.dtype, seed: int):  # type: ignore[no-untyped-def]
+def case(
+    batch: int,
+    q_len: int,
+    own: int,
+    prefix: int,
+    dtype: torch.dtype,
+    seed: int,
+    reference_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random grouped-query inputs (9 query heads on 3 KV heads, as SmolLM2's), own slots with
-    padding holes and a causal block for the last `q_len`, and the concatenated reference."""
+    padding holes and a causal block for the last `q_len`; the output in `dtype`, and the
+    reference (attention over the concatenated keys) in `reference_dtype`."""
     g = torch.Generator().manual_seed(seed)
     heads, kv_heads, dim = 9, 3, 16
     query = torch.randn(batch, q_len, heads, dim, generator=g).transpose(1, 2)  # as transformers
@@ -52,10 +61,10 @@ def case(batch: int, q_len: int, own: int, prefix: int, dtype: torch.dtype, seed
     full_value = torch.cat([prefix_value.expand(batch, -1, -1, -1), value], dim=2)
     full_allowed = torch.cat([torch.ones(batch, q_len, prefix, dtype=torch.bool), allowed], -1)
     reference = F.scaled_dot_product_attention(
-        query, full_key, full_value, attn_mask=additive(full_allowed), enable_gqa=True,
-        scale=dim**-0.5,
+        *(t.to(reference_dtype) for t in (query, full_key, full_value)),
+        attn_mask=additive(full_allowed, reference_dtype), enable_gqa=True, scale=dim**-0.5,
     ).transpose(1, 2)  # fmt: skip
-    got = shared_prefix_attention(
+    got = cascade_attention(
         *inputs, additive(allowed, dtype), *prefixes, scale=dim**-0.5
     )  # [B, Q, H, D]
     return got, reference
@@ -73,12 +82,13 @@ def test_equals_attention_over_the_concatenated_keys(batch, q_len, own, prefix):
     torch.testing.assert_close(got, reference, atol=1e-5, rtol=0)
 
 
-def test_bf16_inputs_are_accumulated_in_fp32():
-    """bf16 in and out; the error is the inputs' and the output's rounding (bf16 has an 8-bit
-    mantissa: 2^-8 relative), not a bf16 softmax's."""
-    got, reference = case(4, 3, 10, 24, torch.bfloat16, seed=7)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), reference, atol=3e-2, rtol=2**-7)
+def test_bf16_inputs_match_bf16_attention_over_the_concatenation():
+    """bf16 in, bf16 out, within bf16 output rounding (8-bit mantissa) of torch's attention over
+    the concatenated bf16 keys (what the prefix held per row computes)."""
+    got, _ = case(4, 3, 10, 24, torch.bfloat16, seed=7)
+    reference = case(4, 3, 10, 24, torch.bfloat16, seed=7, reference_dtype=torch.bfloat16)[1]
+    assert got.dtype == reference.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), reference.float(), atol=2**-7, rtol=2**-7)
 
 
 def test_a_query_whose_own_slots_are_all_masked_reads_the_prefix_alone():
@@ -88,7 +98,7 @@ def test_a_query_whose_own_slots_are_all_masked_reads_the_prefix_alone():
     key, value = torch.randn(1, 3, 4, 16), torch.randn(1, 3, 4, 16)
     prefix_key, prefix_value = torch.randn(3, 8, 16), torch.randn(3, 8, 16)
     nothing = additive(torch.zeros(1, 1, 4, dtype=torch.bool))
-    out = shared_prefix_attention(query, key, value, nothing, prefix_key, prefix_value, 0.25)
+    out = cascade_attention(query, key, value, nothing, prefix_key, prefix_value, 0.25)
     alone = F.scaled_dot_product_attention(
         query, prefix_key[None], prefix_value[None], enable_gqa=True, scale=0.25
     ).transpose(1, 2)

@@ -37,7 +37,9 @@ Departures from common practice, on purpose:
   least `MIN_SHARED_PREFIX` common leading tokens from the cache, the batch's KV slots start
   after them, one copy of their KV is kept beside the batch (`SharedPrefix`), and attention
   reads that copy once for all rows (`models/shared_prefix_attention.py`); position ids start at
-  the prefix's length. Rows retired into the prefix cache get the prefix put back in front.
+  the prefix's length. Rows retired into the prefix cache get the prefix put back in front. The
+  copy is the first row's cached one: a row whose own entry holds those tokens' KV from another
+  prefill (in other pieces, so ~1e-6 apart in fp32) reads the first row's values instead.
 
 `Generation.extra` holds `reused_tokens` and `prefill_tokens` (per row) and `prefill_s`/`decode_s`
 (of the row's batch); `HFBackend.stats` accumulates token counts over calls.
@@ -334,9 +336,10 @@ def _shared_prefix(
     differs = (heads != heads[0]).any(dim=0)  # [n]
     if bool(differs.any()):
         length = int(differs.int().argmax())
-    kv = hits[0][1]
-    if length < MIN_SHARED_PREFIX or kv is None:
+    if length < MIN_SHARED_PREFIX:
         return None
+    kv = hits[0][1]
+    assert kv is not None  # the first row reuses at least `length` tokens
     return SharedPrefix(length, [(k[:, :length], v[:, :length]) for k, v in kv])
 
 
@@ -461,20 +464,20 @@ class HFBackend:
         A group's G samples share their whole prompt, and an environment's tasks share their
         system prompt and tool list: without this, the first turn encodes them G x tasks times.
         """
-        shared = min(len(p) for p in prompts) - 1  # leave each row one token to prefill
-        for i, token in enumerate(prompts[0][:shared]):
+        prefix_len = min(len(p) for p in prompts) - 1  # leave each row one token to prefill
+        for i, token in enumerate(prompts[0][:prefix_len]):
             if any(p[i] != token for p in prompts[1:]):
-                shared = i
+                prefix_len = i
                 break
-        cached, _ = self.prefix_cache.lookup(prompts[0][: shared + 1])
-        if len(prompts) < 2 or shared - cached < MIN_SHARED_PREFIX:
+        cached, _ = self.prefix_cache.lookup(prompts[0][: prefix_len + 1])
+        if len(prompts) < 2 or prefix_len - cached < MIN_SHARED_PREFIX:
             return
-        prefix = prompts[0][:shared]
-        valid = torch.ones(1, shared, dtype=torch.bool, device=self.device)  # [1, P]
+        prefix = prompts[0][:prefix_len]
+        valid = torch.ones(1, prefix_len, dtype=torch.bool, device=self.device)  # [1, P]
         cache = DynamicCache()
         self._forward(torch.tensor([prefix], device=self.device), valid, cache, None)
         self.prefix_cache.insert(prefix, _row_kv(cache, 0, valid[0], None))
-        self.stats.prefill_tokens += shared
+        self.stats.prefill_tokens += prefix_len
 
     def _warm_repeated_prompts(self, prompts: list[list[int]]) -> None:
         """Prefill every prompt the batch holds more than once (all but its last token) once, in
@@ -550,7 +553,7 @@ class HFBackend:
 
     def _holds_prefix_once(self) -> bool:
         """Whether batches hold their shared prefix once: asked for, on CPU (the kernel
-        `shared_prefix_attention` uses), and the model on our attention, which takes it."""
+        `cascade_attention` uses), and the model on our attention, which takes it."""
         attention = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         return self.shared_prefix_attention and self.device.type == "cpu" and attention == ATTENTION
 
@@ -561,16 +564,19 @@ class HFBackend:
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def _forward(
-        self, ids: torch.Tensor, valid: torch.Tensor, cache: DynamicCache,
+        self,
+        ids: torch.Tensor,
+        valid: torch.Tensor,
+        cache: DynamicCache,
         shared: SharedPrefix | None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """Run the last `ids.shape[1]` slots of `valid` (after the `shared` prefix, if any)
         through the model; last logits `[B, V]`."""
         dtype = self.compute_dtype or next(self.model.parameters()).dtype
         # our attention (`models/attention.py`) takes the prefix from the keyword arguments
         # transformers hands every layer's attention
         extra = {} if shared is None else {"shared_prefix": shared}
-        positions = position_ids(valid, ids.shape[1]) + (shared.length if shared else 0)
+        positions = position_ids(valid, ids.shape[1]) + (shared.length if shared is not None else 0)
         with self._autocast():
             out = self.model(
                 input_ids=ids,

@@ -15,6 +15,8 @@ from agent_grpo.rollout.backends.base import SamplingConfig
 from agent_grpo.rollout.backends.hf import (
     HFBackend,
     PrefixCache,
+    _Row,
+    _shared_prefix,
     attention_bias,
     common_prefix_len,
     filter_top_k_top_p,
@@ -495,19 +497,62 @@ def test_a_batch_holds_its_shared_prefix_once(model_and_prompts):
 
 def test_a_shared_prefix_under_bf16_autocast(model_and_prompts):
     """Sampling under bf16 autocast from fp32 weights (`model.dtype: bfloat16`) holds the prefix
-    once too: bf16 queries, keys and mask through the two-part attention. The first token of
-    each row, drawn from the same context both ways, gets the same logprob within bf16
-    rounding of logits of this size."""
+    once too: bf16 queries, keys and mask through the two-part attention. Against a full forward
+    pass under the same autocast, its logprobs are as close as those of rows that each hold the
+    prefix (both differ from it by bf16 rounding in other places)."""
     model, tokenizer, prompts = model_and_prompts
     batch = prompts + prompts[1:]
     once = HFBackend(model, tokenizer, compute_dtype=torch.bfloat16)
     per_row = HFBackend(
         model, tokenizer, compute_dtype=torch.bfloat16, shared_prefix_attention=False
     )
-    got, want = (b.generate(batch, GREEDY, [0] * 5) for b in (once, per_row))
+    errors = []
+    for backend in (once, per_row):
+        worst = 0.0
+        for prompt, gen in zip(batch, backend.generate(batch, GREEDY, [0] * 5), strict=True):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, full = full_forward_logprobs(model, prompt + gen.token_ids, len(prompt), 1.0)
+            worst = max(worst, (torch.tensor(gen.logprobs) - full).abs().max().item())
+        errors.append(worst)
     assert once.stats.shared_prefix_slots > 0 and per_row.stats.shared_prefix_slots == 0
+    assert errors[1] > 0 and errors[0] <= 2 * errors[1] + 1e-3, errors
+
+
+def test_each_chunk_holds_its_own_shared_prefix(model_and_prompts):
+    """With `max_batch_size` 2 the five rows run as chunks of 2, 2 and 1: each chunk of two
+    holds its prefix once, the chunk of one holds it in its row, and greedy decoding gives the
+    tokens of rows that each hold it."""
+    model, tokenizer, prompts = model_and_prompts
+    batch = prompts + prompts[1:]
+    once = HFBackend(model, tokenizer, max_batch_size=2)
+    per_row = HFBackend(model, tokenizer, max_batch_size=2, shared_prefix_attention=False)
+    got, want = (b.generate(batch, GREEDY, [0] * 5) for b in (once, per_row))
     for a, b in zip(got, want, strict=True):
-        assert all(math.isfinite(x) for x in a.logprobs)
-        if a.token_ids[0] == b.token_ids[0]:
-            assert a.logprobs[0] == pytest.approx(b.logprobs[0], abs=0.05)
-    assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(got, want, strict=True)) >= 4
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    common = min(common_prefix_len(torch.tensor(batch[0]), torch.tensor(p)) for p in batch)
+    assert once.stats.shared_prefix_slots >= 2 * common  # two chunks of two rows, at least
+
+
+def test_the_shared_prefix_is_what_every_row_reuses_and_every_prompt_starts_with():
+    """`_shared_prefix`: the shortest reuse, cut where two prompts first differ; none for one
+    row or under `MIN_SHARED_PREFIX` (16) tokens; the first row's cached KV, cut to it."""
+    kv = [(torch.arange(30.0).view(1, 30, 1), -torch.arange(30.0).view(1, 30, 1))]  # [H, N, D]
+    base = list(range(100, 130))
+
+    def rows(prompts, reused):  # type: ignore[no-untyped-def]
+        return [_Row(p, n, torch.empty(0)) for p, n in zip(prompts, reused, strict=True)]
+
+    hits = [(25, kv), (22, kv)]
+
+    def other_at(i: int) -> list[int]:  # `base` with token i changed
+        return [*base[:i], 0, *base[i + 1 :]]
+
+    shared = _shared_prefix(rows([base, other_at(26)], [25, 22]), hits)
+    assert shared is not None and shared.length == 22  # the shorter reuse
+    assert torch.equal(shared.layers[0][0].flatten(), torch.arange(22.0))
+    shared = _shared_prefix(rows([base, other_at(20)], [25, 22]), hits)
+    assert shared is not None and shared.length == 20  # where the prompts differ
+    assert _shared_prefix(rows([base, other_at(10)], [25, 22]), hits) is None  # under 16
+    assert _shared_prefix(rows([base], [25]), hits[:1]) is None  # one row
+    assert _shared_prefix(rows([base, base], [12, 25]), hits) is None  # a short reuse
