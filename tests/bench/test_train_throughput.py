@@ -14,8 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The bench samples the machine's load and uses both cores: alone, as a real bench run is.
-pytestmark = pytest.mark.serial
+# Not `serial`: it checks what the results file records, not that the machine was quiet, so it
+# runs beside other tests (its run is then recorded as busy), which keeps `make test` shorter.
 
 
 @pytest.mark.slow
