@@ -77,6 +77,7 @@ __all__ = [
     "position_ids",
     "processed_logprobs",
     "sample_tokens",
+    "shared_head",
     "stop_hit",
     "stop_window",
 ]
@@ -170,6 +171,14 @@ def common_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:
     n = min(a.shape[0], b.shape[0])
     differs = a[:n] != b[:n]  # [n]
     return int(differs.int().argmax()) if bool(differs.any()) else n
+
+
+def shared_head(prompts: Sequence[Sequence[int]], limit: int) -> int:
+    """Length of the longest prefix every prompt starts with, at most `limit` tokens."""
+    limit = max(0, min([limit, *(len(p) for p in prompts)]))
+    heads = torch.tensor([list(p[:limit]) for p in prompts], dtype=torch.long)  # [B, n]
+    differs = (heads != heads[:1]).any(dim=0)  # [n]
+    return int(differs.int().argmax()) if bool(differs.any()) else limit
 
 
 @dataclass
@@ -329,13 +338,9 @@ def _shared_prefix(
 ) -> SharedPrefix | None:
     """The longest prefix every row reuses from the cache and every prompt starts with, taken
     from the first row's cached KV; None under `MIN_SHARED_PREFIX` tokens or for one row."""
-    length = min(row.reused for row in rows)
-    if len(rows) < 2 or length < MIN_SHARED_PREFIX:
+    if len(rows) < 2:
         return None
-    heads = torch.tensor([row.prompt[:length] for row in rows])  # [B, n]
-    differs = (heads != heads[0]).any(dim=0)  # [n]
-    if bool(differs.any()):
-        length = int(differs.int().argmax())
+    length = shared_head([row.prompt for row in rows], min(row.reused for row in rows))
     if length < MIN_SHARED_PREFIX:
         return None
     kv = hits[0][1]
@@ -464,11 +469,8 @@ class HFBackend:
         A group's G samples share their whole prompt, and an environment's tasks share their
         system prompt and tool list: without this, the first turn encodes them G x tasks times.
         """
-        prefix_len = min(len(p) for p in prompts) - 1  # leave each row one token to prefill
-        for i, token in enumerate(prompts[0][:prefix_len]):
-            if any(p[i] != token for p in prompts[1:]):
-                prefix_len = i
-                break
+        # leave each row one token to prefill
+        prefix_len = shared_head(prompts, min(len(p) for p in prompts) - 1)
         cached, _ = self.prefix_cache.lookup(prompts[0][: prefix_len + 1])
         if len(prompts) < 2 or prefix_len - cached < MIN_SHARED_PREFIX:
             return

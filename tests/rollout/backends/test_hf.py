@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -23,6 +25,7 @@ from agent_grpo.rollout.backends.hf import (
     inverse_cdf,
     position_ids,
     sample_tokens,
+    shared_head,
     stop_hit,
     stop_window,
 )
@@ -556,3 +559,16 @@ def test_the_shared_prefix_is_what_every_row_reuses_and_every_prompt_starts_with
     assert _shared_prefix(rows([base, other_at(10)], [25, 22]), hits) is None  # under 16
     assert _shared_prefix(rows([base], [25]), hits[:1]) is None  # one row
     assert _shared_prefix(rows([base, base], [12, 25]), hits) is None  # a short reuse
+
+
+@given(
+    st.lists(st.lists(st.integers(0, 2), max_size=8), min_size=1, max_size=5),
+    st.integers(-2, 10),
+)
+def test_shared_head_is_the_longest_prefix_every_prompt_starts_with(prompts, limit):
+    """`shared_head` (used by `_shared_prefix` and the warm-up prefill) against the definition:
+    the largest n <= limit (and <= every prompt's length) such that all prompts agree on n."""
+    n = 0
+    while n < limit and all(len(p) > n and p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    assert shared_head(prompts, limit) == n
