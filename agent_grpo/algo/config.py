@@ -51,12 +51,15 @@ class SpeedConfig(ConfigModel):
     tests compare each against its off position, tests/trainer/test_knobs.py)."""
 
     micro_batch_tokens: int = Field(default=4096, ge=1)
-    """Most padded tokens (rows x longest row) per forward/backward; whole groups share a
-    micro-batch while they fit, and gradients are accumulated across micro-batches."""
+    """Most tokens per forward/backward: padded rows x longest row or, with `shared_prefix`,
+    the tokens that pass computes (prompts once, then every row past its prompt, padded to the
+    longest); whole groups share a micro-batch while they fit, and gradients are accumulated
+    across micro-batches."""
     shared_prefix: bool = True
     """Run the backbone once over each group's shared prompt, the prompts of every group in a
-    micro-batch in one pass (less compute); the warm start runs its demonstrations' common
-    prefix (the system prompt and tool list) once per micro-batch."""
+    micro-batch in one pass and the tokens they all start with (an environment's system prompt
+    and tools) once (less compute); the warm start runs its demonstrations' common prefix once
+    per micro-batch."""
     skip_zero_advantage: bool = True
     """With beta = 0, skip the forward pass of rows with zero advantage (they add exactly 0)."""
     recompute_mlp: bool = False

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +38,10 @@ __all__ = [
     "micro_batch_logprobs",
     "position_ids_from_mask",
     "prefix_groups",
+    "prefix_sharing_supported",
     "reference_token_logprobs",
     "shared_prefix_token_logprobs",
+    "shared_prefix_tokens",
     "token_logprobs",
 ]
 
@@ -174,6 +177,9 @@ def shared_prefix_token_logprobs(
     through the cache into the prefix pass. Same result as `token_logprobs` on the full rows,
     for about `sum(prefix) + sum(suffix)` tokens of work instead of `G * (prefix + suffix)` per
     group, in two passes whatever the number of groups (the matmuls get the rows of all of them).
+    The groups' prompts usually start alike too (one environment's system prompt and tools):
+    that common head runs once, in a pass of its own before the groups' prefixes
+    (`_prefix_pass`).
 
     Rows with no prefix to share (a group of one, or whose rows share at most one token) run
     apart through `token_logprobs`: in the suffix pass they would widen every row to their whole
@@ -181,11 +187,9 @@ def shared_prefix_token_logprobs(
     put padding inside a shorter group's window.
     """
     _check_plain_head(model)
-    # the last shared token starts the suffix: its state predicts the next token
-    cached = [max(0, common_prefix_length(input_ids[list(g)], attention_mask[list(g)]) - 1)
-              if len(g) > 1 else 0 for g in groups]  # fmt: skip
+    cached = _cached_lengths(input_ids, attention_mask, groups)
     shared = [(list(g), n) for g, n in zip(groups, cached, strict=True) if n >= 1]
-    if not _full_attention_only(model):
+    if not prefix_sharing_supported(model):
         shared = []
     shared_rows = [r for g, _ in shared for r in g]
     alone = sorted(set(range(input_ids.shape[0])) - set(shared_rows))
@@ -219,8 +223,47 @@ def _rows(
     return cut(input_ids), cut(attention_mask), None if target_mask is None else cut(target_mask)
 
 
-def _full_attention_only(model: nn.Module) -> bool:
-    """Whether every attention layer sees the whole sequence (no sliding window)."""
+def _cached_lengths(
+    input_ids: Tensor, attention_mask: Tensor, groups: Sequence[Sequence[int]]
+) -> list[int]:
+    """Each group's prefix that the shared pass caches: its rows' common prefix but the last
+    token (whose state predicts the next token, so it starts the suffix); 0 for one row."""
+    return [max(0, common_prefix_length(input_ids[list(g)], attention_mask[list(g)]) - 1)
+            if len(g) > 1 else 0 for g in groups]  # fmt: skip
+
+
+def _common_head(heads: Tensor, cached: list[int]) -> int:
+    """The tokens every group's cached prefix starts with (`heads` [C, T], a row of each
+    group), when running them once rather than C times saves more than a pass costs; else 0."""
+    shortest = heads[:, : min(cached)]  # [C, n]
+    head = common_prefix_length(shortest, torch.ones_like(shortest))
+    return head if (len(cached) - 1) * head > PASS_TOKENS else 0
+
+
+def shared_prefix_tokens(
+    input_ids: Tensor, attention_mask: Tensor, groups: Sequence[Sequence[int]]
+) -> int:
+    """Tokens `shared_prefix_token_logprobs` computes for these right-padded rows, padding
+    included, at most: what a micro-batch's activations grow with. Its suffix passes count as
+    one (`length_buckets` splits them only where that pads less); the rows that run apart as
+    rows x their longest."""
+    cached = _cached_lengths(input_ids, attention_mask, groups)
+    lengths = attention_mask.sum(dim=1).tolist()  # [B]
+    alone = [lengths[r] for g, n in zip(groups, cached, strict=True) if n < 1 for r in g]
+    shared = [(list(g), n) for g, n in zip(groups, cached, strict=True) if n >= 1]
+    total = len(alone) * max(alone, default=0)
+    if shared:
+        prefixes = [n for _, n in shared]
+        head = _common_head(input_ids[[g[0] for g, _ in shared]], prefixes)
+        total += head + len(prefixes) * (max(prefixes) - head)
+        suffixes = [lengths[r] - n for g, n in shared for r in g]
+        total += len(suffixes) * max(suffixes)
+    return total
+
+
+def prefix_sharing_supported(model: nn.Module) -> bool:
+    """Whether every attention layer sees the whole sequence (no sliding window), which the
+    shared-prefix pass needs."""
     config = getattr(model, "config", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
@@ -250,16 +293,9 @@ def _grouped_prefix_logprobs(
         for r in members:
             start[r], source[r] = cached[c], c
     start, source = start.to(device), source.to(device)
-    width = max(cached)  # P: prefix slots
     first_rows = torch.tensor([g[0] for g in groups], device=device)
-    prefix_lengths = torch.tensor(cached, device=device)
-    slots = torch.arange(width, device=device)  # [P]
     backbone = cast(nn.Module, model.get_decoder())  # type: ignore[operator]
-    prefix = backbone(
-        input_ids=input_ids[first_rows, :width],  # [C, P]
-        attention_mask=(slots[None] < prefix_lengths[:, None]).long(),  # [C, P], right-padded
-        use_cache=True,
-    )
+    prefix = _prefix_pass(backbone, input_ids.index_select(0, first_rows), cached)
     suffix_lengths = attention_mask.sum(dim=1) - start  # [B]
     passes = length_buckets(suffix_lengths.tolist())
     pieces = [
@@ -272,9 +308,51 @@ def _grouped_prefix_logprobs(
     return _head_logprobs(model, hidden, input_ids, wanted, temperature, chunk_size)
 
 
+@dataclass
+class _Prefixes:
+    """Each group's prefix as the suffix passes read it: slot = position, padding after."""
+
+    hidden: Tensor  # [C, P, H] final hidden states
+    layers: list[tuple[Tensor, Tensor]]  # per layer (keys, values), each [C, heads, P, d]
+
+
+def _prefix_pass(backbone: nn.Module, heads: Tensor, cached: list[int]) -> _Prefixes:
+    """The backbone over each group's prefix (`heads[c, :cached[c]]`, `heads` [C, T]).
+
+    The groups' common head (the system prompt and tool list every task of an environment
+    shares) runs once when that saves more than a pass costs (`PASS_TOKENS`), and each group's
+    rest runs on top of its KV: a micro-batch of C groups then computes that head once, not C
+    times. Gradients flow back into the head pass through both its hidden states and its KV.
+    """
+    count, width = len(cached), max(cached)  # C, P
+    device = heads.device
+    slots = torch.arange(width, device=device)  # [P]
+    valid = slots[None] < torch.tensor(cached, device=device)[:, None]  # [C, P], right-padded
+    root = _common_head(heads, cached)  # R
+    if root == 0:
+        out = backbone(input_ids=heads[:, :width], attention_mask=valid.long(), use_cache=True)
+        layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        return _Prefixes(out.last_hidden_state, layers)
+    shared = backbone(input_ids=heads[:1, :root], use_cache=True)  # [1, R]
+    layers = [(layer.keys.expand(count, -1, -1, -1), layer.values.expand(count, -1, -1, -1))
+              for layer in shared.past_key_values.layers]  # fmt: skip
+    hidden = shared.last_hidden_state.expand(count, -1, -1)  # [C, R, H]
+    if root == width:  # every group's prefix is the common head
+        return _Prefixes(hidden, layers)
+    rest = backbone(
+        input_ids=heads[:, root:width],  # [C, P - R]
+        attention_mask=valid.long(),  # [C, P]: the head's R slots, then each group's own
+        position_ids=torch.where(valid[:, root:], slots[root:], 0),  # [C, P - R]
+        past_key_values=DynamicCache(ddp_cache_data=layers),
+        use_cache=True,
+    )
+    layers = [(layer.keys, layer.values) for layer in rest.past_key_values.layers]  # [C, P]
+    return _Prefixes(torch.cat([hidden, rest.last_hidden_state], dim=1), layers)
+
+
 def _suffix_hidden(
     backbone: nn.Module,
-    prefix: Any,
+    prefix: _Prefixes,
     input_ids: Tensor,
     start: Tensor,
     source: Tensor,
@@ -287,11 +365,11 @@ def _suffix_hidden(
     index = torch.tensor(rows, device=device)
     start, source = start.index_select(0, index), source.index_select(0, index)  # [b]
     length = input_ids.shape[1]
-    width = prefix.last_hidden_state.shape[1]  # P
+    width = prefix.hidden.shape[1]  # P
     # each row's group's prefix KV; index_select's backward is index_add into the prefix pass
     cache = DynamicCache(ddp_cache_data=[
-        (layer.keys.index_select(0, source), layer.values.index_select(0, source))
-        for layer in prefix.past_key_values.layers
+        (keys.index_select(0, source), values.index_select(0, source))
+        for keys, values in prefix.layers
     ])  # fmt: skip
     suffix_width = int(suffix_lengths.index_select(0, index).max())  # S
     steps = torch.arange(suffix_width, device=device)  # [S]
@@ -305,9 +383,8 @@ def _suffix_hidden(
         past_key_values=cache,
         use_cache=True,
     )
-    both = torch.cat(
-        [prefix.last_hidden_state.index_select(0, source), suffix.last_hidden_state], 1
-    )  # [b, P + S, H]
+    both = torch.cat([prefix.hidden.index_select(0, source), suffix.last_hidden_state], 1)
+    # [b, P + S, H]
     positions = torch.arange(length, device=device)[None]  # [1, T]
     take = torch.where(positions < start[:, None], positions, width + positions - start[:, None])
     take = take.clamp(max=both.shape[1] - 1)  # [b, T]: padding reads any slot, never scored

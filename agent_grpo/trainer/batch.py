@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agent_grpo.models.logprobs import shared_prefix_tokens
 from agent_grpo.trajectory.record import Provenance, TrajectoryRecord, TurnRecord
 
 __all__ = [
@@ -167,17 +168,20 @@ def micro_batches(
     *,
     by_group: bool,
     rows: Sequence[int] | None = None,
+    shared_prefix: bool = False,
 ) -> list[list[int]]:
     """Row groups for forward passes, token-sized (padded rows x longest <= `max_tokens`); with
     `by_group`, whole GRPO groups share a micro-batch while they fit, and a group is never split
-    unless it alone is too large.
+    unless it alone is too large. With `shared_prefix` (the model runs the shared-prefix pass)
+    a micro-batch of groups is sized by the tokens that pass computes (`shared_prefix_tokens`:
+    prompts once, rows past them), not as if every row held its own prompt.
 
     Only `rows` (default: all) are placed. Keeping a group together lets its members share one
     pass over their common prompt (`shared_prefix_token_logprobs`, which runs the prefixes of
-    every group in a micro-batch together). Fewer, larger micro-batches mean fewer backward
-    passes per optimizer step (each accumulates every parameter's gradient once) and larger
-    matmuls; `algo.speed.optimizer_in_backward` holds no whole-model gradient only when a
-    minibatch is one micro-batch.
+    every group in a micro-batch together, and their common head once). Fewer, larger
+    micro-batches mean fewer backward passes per optimizer step (each accumulates every
+    parameter's gradient once) and larger matmuls; `algo.speed.optimizer_in_backward` holds no
+    whole-model gradient only when a minibatch is one micro-batch.
     """
     wanted = list(range(batch.input_ids.shape[0])) if rows is None else list(rows)
     lengths = batch.attention_mask.sum(dim=1).tolist()
@@ -187,22 +191,27 @@ def micro_batches(
     buckets: dict[int, list[int]] = {}
     for row in wanted:
         buckets.setdefault(int(batch.group_index[row]), []).append(row)
+
+    def size(groups: list[list[int]]) -> int:
+        if shared_prefix:
+            return shared_prefix_tokens(batch.input_ids, batch.attention_mask, groups)
+        return max(lengths[r] for g in groups for r in g) * sum(len(g) for g in groups)
+
     out: list[list[int]] = []
-    current: list[int] = []
+    current: list[list[int]] = []
     for members in buckets.values():
-        together = current + members
-        if max(lengths[r] for r in together) * len(together) <= max_tokens:
-            current = together
+        if size([*current, members]) <= max_tokens:
+            current.append(members)
             continue
         if current:
-            out.append(current)
-        current = members
-        if max(lengths[r] for r in members) * len(members) > max_tokens:  # split it alone
+            out.append([r for g in current for r in g])
+        current = [members]
+        if size(current) > max_tokens:  # split it alone
             parts = micro_batches_by_tokens([lengths[r] for r in members], max_tokens)
             out.extend([members[i] for i in part] for part in parts)
             current = []
     if current:
-        out.append(current)
+        out.append([r for g in current for r in g])
     return out
 
 

@@ -92,6 +92,7 @@ __all__ = [
     "load_full_optimizer_state",
     "resolve_device",
     "shard_rows",
+    "shares_prefixes",
     "unwrap_policy",
     "wrap_policy",
     "wrap_reference",
@@ -307,6 +308,13 @@ def wrap_reference(
         param.data = param.data.to(compute_dtype)
     wrapped = LogprobModel(frozen, mode != "fsdp", compute_dtype)
     return _fully_shard(wrapped) if mode == "fsdp" else wrapped
+
+
+def shares_prefixes(policy: nn.Module, requested: bool) -> bool:
+    """Whether a `wrap_policy` / `wrap_reference` module runs the shared-prefix pass when
+    `requested` (`algo.speed.shared_prefix`): not under FSDP2, nor for sliding-window models."""
+    inner = policy.module if isinstance(policy, nn.parallel.DistributedDataParallel) else policy
+    return isinstance(inner, LogprobModel) and inner.shares_prefixes(requested)
 
 
 def unwrap_policy(policy: nn.Module) -> nn.Module:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from agent_grpo.models.logprobs import micro_batch_logprobs
+from agent_grpo.models.logprobs import micro_batch_logprobs, prefix_sharing_supported
 
 __all__ = ["LogprobModel", "autocast"]
 
@@ -35,6 +35,10 @@ class LogprobModel(nn.Module):
         self.adapter_disabled = adapter_disabled
         """A peft model run with its adapter off: LoRA's reference, sharing the policy's base."""
 
+    def shares_prefixes(self, requested: bool) -> bool:
+        """Whether `forward(..., shared_prefix=requested)` runs the shared-prefix pass."""
+        return requested and self.allow_shared_prefix and prefix_sharing_supported(self.lm)
+
     def forward(
         self,
         input_ids: Tensor,
@@ -54,7 +58,7 @@ class LogprobModel(nn.Module):
                 attention_mask,
                 target_mask,
                 temperature=temperature,
-                shared_prefix=shared_prefix and self.allow_shared_prefix,
+                shared_prefix=self.shares_prefixes(shared_prefix),
             ).float()
 
 

@@ -41,6 +41,7 @@ from agent_grpo.trainer.parallel import (
     global_sum,
     grad_sync,
     shard_rows,
+    shares_prefixes,
 )
 
 __all__ = ["batch_logprobs", "grpo_update", "minibatch_update"]
@@ -71,16 +72,18 @@ def _sequence_tokens(batch: PackedBatch) -> Tensor:
 
 
 def _micro_batches(
-    batch: PackedBatch, rows: list[int], algo: AlgoConfig, ctx: DistContext
+    batch: PackedBatch, rows: list[int], algo: AlgoConfig, ctx: DistContext, model: nn.Module
 ) -> list[tuple[list[int], bool]]:
-    """This rank's micro-batches as (rows, trains?), padded to the ranks' largest count.
+    """This rank's micro-batches for `model` (a `wrap_policy` / `wrap_reference` module) as
+    (rows, trains?), padded to the ranks' largest count.
 
     A padding micro-batch reruns one row with its loss masked out (parallel.py's docstring);
     in one process there is none.
     """
     local = micro_batches(
-        batch, algo.speed.micro_batch_tokens, by_group=algo.speed.shared_prefix, rows=rows
-    )
+        batch, algo.speed.micro_batch_tokens, by_group=algo.speed.shared_prefix, rows=rows,
+        shared_prefix=shares_prefixes(model, algo.speed.shared_prefix),
+    )  # fmt: skip
     count = int(global_max(torch.tensor(len(local)), ctx))
     filler = [rows[-1] if rows else 0]
     return [(g, True) for g in local] + [(filler, False)] * (count - len(local))
@@ -127,7 +130,7 @@ def minibatch_update(
     live = rows_with_loss(batch, skip_zero_advantage=True, rows=rows)
     skip = algo.speed.skip_zero_advantage and ref is None
     run = live if skip else rows_with_loss(batch, skip_zero_advantage=False, rows=rows)
-    micro = _micro_batches(batch, run, algo, ctx)
+    micro = _micro_batches(batch, run, algo, ctx, policy)
     signal = ref is not None or _any_rank(live, ctx)
     sequence_tokens = _sequence_tokens(batch)  # [B]
     seen = torch.zeros(batch.input_ids.shape)  # [B, T]
@@ -244,7 +247,7 @@ def batch_logprobs(
     ctx = ctx or DistContext()
     rows = shard_rows(batch.input_ids.shape[0], ctx, batch.group_index)
     micro = _micro_batches(batch, rows_with_loss(batch, skip_zero_advantage=False, rows=rows),
-                           algo, ctx)  # fmt: skip
+                           algo, ctx, model)  # fmt: skip
     values = torch.zeros(batch.input_ids.shape)  # [B, T]
     written = torch.zeros(batch.input_ids.shape)  # [B, T]
     was_training = model.training

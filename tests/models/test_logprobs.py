@@ -358,3 +358,101 @@ def test_suffixes_of_very_different_lengths_run_in_separate_passes(sharp_model) 
     assert (shared[targets == 1] != 0).all()
     for got, want in zip((p.grad for p in sharp_model.parameters()), plain_grads, strict=True):
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def groups_with_a_common_head(vocab: int, head: int, tails: list[int], suffixes: list[list[int]]):
+    """Groups whose prompts are one `head` of random tokens then a tail of their own (`tails`,
+    0: the head is the whole prompt), each row a random suffix of the given length: a micro-batch
+    of several tasks of one environment (its system prompt and tools, then the task)."""
+    g = torch.Generator().manual_seed(7)
+    common = torch.randint(3, vocab, (head,), generator=g)
+    rows, prompts = [], []
+    for tail, lengths in zip(tails, suffixes, strict=True):
+        prompt = torch.cat([common, torch.randint(3, vocab, (tail,), generator=g)])
+        for n in lengths:
+            rows.append(torch.cat([prompt, torch.randint(3, vocab, (n,), generator=g)]))
+            prompts.append(len(prompt))
+    width = max(len(r) for r in rows)
+    ids = torch.stack([torch.nn.functional.pad(r, (0, width - len(r)), value=2) for r in rows])
+    mask = torch.stack([(torch.arange(width) < len(r)).long() for r in rows])
+    targets = mask.clone()
+    for row, n in enumerate(prompts):
+        targets[row, :n] = 0
+    return ids, mask, targets
+
+
+@pytest.mark.parametrize("score_prompts", [False, True])
+@pytest.mark.parametrize(
+    ("tails", "passes"),
+    [
+        ([5, 0, 12], [1, 3, 7]),  # the head once, the groups' tails, the suffixes
+        ([0, 0, 0], [1, 7]),  # every prompt is the head: no pass for the tails
+    ],
+)
+def test_the_groups_common_head_runs_once(sharp_model, tails, passes, score_prompts) -> None:
+    """Three groups whose prompts start with the same 80 tokens: (3 - 1) x 79 > `PASS_TOKENS`
+    tokens saved, so the head runs in a pass of one row and the groups' own tails on its KV;
+    the values and every gradient are the plain path's, also when the prompts' tokens are
+    scored (their logprobs then come from the head's and the tails' hidden states)."""
+    assert (len(tails) - 1) * 79 > logprobs_module.PASS_TOKENS
+    suffixes = [[4, 9], [6, 2, 3], [5, 7]]
+    ids, mask, targets = groups_with_a_common_head(sharp_model.config.vocab_size, 80, tails,
+                                                   suffixes)  # fmt: skip
+    if score_prompts:
+        targets = mask.clone()
+        targets[:, 0] = 0  # the first token has no logprob
+    plain = token_logprobs(sharp_model, ids, mask, target_mask=targets)
+    plain.sum().backward()
+    plain_grads = [p.grad.clone() for p in sharp_model.parameters()]
+    sharp_model.zero_grad()
+    seen, hook = backbone_batches(sharp_model)
+    groups = [[0, 1], [2, 3, 4], [5, 6]]  # the GRPO groups, as the trainer's micro-batch has them
+    shared = shared_prefix_token_logprobs(sharp_model, ids, mask, groups, target_mask=targets)
+    hook.remove()
+    assert seen == passes
+    shared.sum().backward()
+    assert torch.allclose(shared, plain, atol=2e-5)
+    assert (shared[targets == 1] != 0).all()
+    for got, want in zip((p.grad for p in sharp_model.parameters()), plain_grads, strict=True):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_short_common_head_runs_with_the_groups(sharp_model) -> None:
+    """Two groups sharing 40 tokens save (2 - 1) x 40 <= `PASS_TOKENS`: one prefix pass."""
+    ids, mask, targets = groups_with_a_common_head(sharp_model.config.vocab_size, 40, [3, 6],
+                                                   [[4, 9], [2, 5]])  # fmt: skip
+    seen, hook = backbone_batches(sharp_model)
+    with torch.no_grad():
+        shared = micro_batch_logprobs(sharp_model, ids, mask, targets, temperature=1.0,
+                                      shared_prefix=True)  # fmt: skip
+        hook.remove()
+        plain = token_logprobs(sharp_model, ids, mask, target_mask=targets)
+    assert seen == [2, 4]
+    assert torch.allclose(shared, plain, atol=2e-5)
+
+
+@pytest.mark.parametrize("case", ["several groups", "common head", "long and short suffixes"])
+def test_shared_prefix_tokens_bounds_what_the_passes_compute(sharp_model, case) -> None:
+    """`shared_prefix_tokens` (what the trainer sizes micro-batches by) is at least the tokens
+    the backbone passes really take, padding included, and not far above them."""
+    vocab = sharp_model.config.vocab_size
+    if case == "several groups":
+        ids, mask, targets = several_groups(vocab)
+    elif case == "common head":
+        ids, mask, targets = groups_with_a_common_head(vocab, 80, [5, 0, 12],
+                                                       [[4, 9], [6, 2, 3], [5, 7]])  # fmt: skip
+    else:
+        ids, mask = group_batch(vocab, prefix=9, suffixes=[300, 2, 3, 280])
+        targets = mask.clone()
+        targets[:, :9] = 0
+    groups = prefix_groups(ids, targets)
+    computed: list[int] = []
+    hook = sharp_model.get_decoder().register_forward_hook(
+        lambda module, args, kwargs, out: computed.append(kwargs["input_ids"].numel()),
+        with_kwargs=True,
+    )
+    with torch.no_grad():
+        shared_prefix_token_logprobs(sharp_model, ids, mask, groups, target_mask=targets)
+    hook.remove()
+    bound = logprobs_module.shared_prefix_tokens(ids, mask, groups)
+    assert sum(computed) <= bound <= 2 * sum(computed), (computed, bound)

@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.inspect.rewriting_templates import THINKING_PROMPT, with_template
+from agent_grpo.models.logprobs import shared_prefix_tokens
 from agent_grpo.testing.records import builder_record, minimal_record
 from agent_grpo.trainer.batch import (
+    PackedBatch,
     episode_rows,
     micro_batches,
     micro_batches_by_tokens,
@@ -101,6 +103,37 @@ def test_micro_batches_pack_whole_groups_and_split_only_a_group_too_large() -> N
         [8],
         [9],
     ]
+
+
+def _groups_sharing_a_head() -> PackedBatch:
+    """3 GRPO groups x 2 rows of 215 tokens: a 200-token head every prompt starts with, a
+    10-token task of the group's own, then 5 model tokens differing from the first."""
+    head = list(range(10, 210))
+    ids, groups = [], []
+    for g in range(3):
+        for r in range(2):
+            ids.append([*head, *[1000 + 10 * g + t for t in range(10)], *[2000 + 10 * r] * 5])
+            groups.append(g)
+    tokens = torch.tensor(ids)  # [6, 215]
+    loss_mask = torch.zeros_like(tokens, dtype=torch.bool)
+    loss_mask[:, 210:] = True
+    nan = torch.full(tokens.shape, float("nan"))
+    return PackedBatch(tokens, torch.ones_like(tokens), loss_mask, nan, torch.ones(tokens.shape),
+                       torch.tensor(groups), torch.arange(6))  # fmt: skip
+
+
+def test_micro_batches_sized_by_the_tokens_the_shared_prefix_pass_computes() -> None:
+    """Each group caches 209 prompt tokens (the 210th starts the suffix: 6 tokens a row). One
+    group: 209 + 2 x 6 = 221. Two: the 200-token head once ((2 - 1) x 200 > 128 saved),
+    200 + 2 x 9 + 4 x 6 = 242; three: 200 + 3 x 9 + 6 x 6 = 263. Padded, each row is 215."""
+    batch = _groups_sharing_a_head()
+    assert shared_prefix_tokens(batch.input_ids, batch.attention_mask, [[0, 1]]) == 221
+    assert shared_prefix_tokens(batch.input_ids, batch.attention_mask, [[0, 1], [2, 3]]) == 242
+    assert micro_batches(batch, 263, by_group=True, shared_prefix=True) == [list(range(6))]
+    assert micro_batches(batch, 262, by_group=True, shared_prefix=True) == [[0, 1, 2, 3], [4, 5]]
+    assert micro_batches(batch, 220, by_group=True, shared_prefix=True) == [[0], [1], [2], [3],
+                                                                           [4], [5]]  # fmt: skip
+    assert micro_batches(batch, 430, by_group=True) == [[0, 1], [2, 3], [4, 5]]  # padded
 
 
 def _forked_record(tokenizer: PreTrainedTokenizerBase) -> TrajectoryRecord:
