@@ -5,19 +5,22 @@
 Each recorded step's trajectories (`trajectories/step_*.jsonl`, with the advantages they were
 trained with) go through one `minibatch_update` from the policy GRPO started from
 (`checkpoints/step_000000`, restored before every call), with the run's own algorithm config,
-on two sides in turn:
+on three sides in turn:
 
-- `head once` (the code as it is): micro-batches sized by the tokens the shared-prefix pass
-  computes (`shared_prefix_tokens`), and the prompts' common head (an environment's system
-  prompt and tools) run once per micro-batch (`_prefix_pass`);
-- `per group`: as before that change: micro-batches sized as padded rows x longest, and every
-  group's prompt run whole (`PASS_TOKENS` made too large for a head pass to pay).
+- `as is`: micro-batches sized by the tokens the shared-prefix pass computes
+  (`shared_prefix_tokens`), the prompts' common head (an environment's system prompt and
+  tools) run once per micro-batch (`_prefix_pass`), and the LM head's logprobs through
+  `_HeadLogprobs`, whose backward recomputes each chunk's logits once;
+- `checkpointed head`: the same, but each chunk of the LM head under `torch.utils.checkpoint`
+  (as before `_HeadLogprobs`, and still for heads it cannot stand in for);
+- `per group`: that, and as before the common head ran once: micro-batches sized as padded
+  rows x longest, and every group's prompt run whole (`PASS_TOKENS` made too large for a head
+  pass to pay).
 
-Both sides compute the same loss and gradients up to rounding (the bench prints the largest
-difference of loss and gradient norm). Per step it prints the median seconds over rounds, the
-micro-batches' row counts and the tokens the backbone passes took (padding included). The
-foreign CPU over the run is reported (`bench/load.py`): a busy machine makes the figures
-unquotable.
+All sides compute the same loss and gradients up to rounding (the bench prints the largest
+difference of loss and gradient norm from `as is`). Per step it prints the median seconds over
+rounds and the tokens the backbone passes took (padding included). The foreign CPU over the run
+is reported (`bench/load.py`): a busy machine makes the figures unquotable.
 """
 
 from __future__ import annotations
@@ -39,19 +42,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--run", type=Path, default=Path("runs/calculator"), help="a finished run")
     p.add_argument("--steps", default="0,1,2", help="comma-separated recorded steps")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of both sides")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of every side")
     p.add_argument("--threads", type=int, default=2)
     return p.parse_args(argv)
 
 
 @contextlib.contextmanager
+def checkpointed_head() -> Iterator[None]:
+    """Every chunk of the LM head checkpointed, as for heads `_HeadLogprobs` cannot serve."""
+    import agent_grpo.models.logprobs as logprobs
+
+    with mock.patch.object(logprobs, "_fusable_head", lambda head, hidden: None):
+        yield
+
+
+@contextlib.contextmanager
 def per_group() -> Iterator[None]:
-    """The update as it was before the common head ran once: padded micro-batch sizing, no
-    head pass."""
+    """The checkpointed head, with padded micro-batch sizing and no common-head pass."""
     import agent_grpo.models.logprobs as logprobs
     import agent_grpo.trainer.update as update
 
     with (
+        checkpointed_head(),
         mock.patch.object(logprobs, "PASS_TOKENS", 1 << 62),
         mock.patch.object(update, "shares_prefixes", lambda model, requested: False),
     ):
@@ -59,7 +71,7 @@ def per_group() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Replay each step on both sides, round after round; print the medians."""
+    """Replay each step on every side, round after round; print the medians."""
     import yaml
 
     from agent_grpo.config.jobs import TrainConfig
@@ -82,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         with_kwargs=True,
     )
     sides: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
-        "head once": contextlib.nullcontext,
+        "as is": contextlib.nullcontext,
+        "checkpointed head": checkpointed_head,
         "per group": per_group,
     }
     steps = [int(s) for s in args.steps.split(",")]
@@ -113,14 +126,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.run}: steps {steps}, {args.rounds} rounds, {args.threads} threads")
     for s in steps:
         for side in sides:
-            print(f"step {s} {side:9s} {statistics.median(seconds[side, s]):6.1f} s  backbone "
+            print(f"step {s} {side:17s} {statistics.median(seconds[side, s]):6.1f} s  backbone "
                   f"tokens {computed[side, s]:6d}  loss {results[side, s][0]:+.6f}  "
                   f"grad norm {results[side, s][1]:.6f}")  # fmt: skip
     total = {side: sum(statistics.median(seconds[side, s]) for s in steps) for side in sides}
     print("all steps: " + ", ".join(f"{side} {t:.1f} s" for side, t in total.items()))
-    gap = max(abs(results["head once", s][0] - results["per group", s][0]) for s in steps)
-    norm_gap = max(abs(results["head once", s][1] - results["per group", s][1]) for s in steps)
-    print(f"largest difference between the sides: loss {gap:.2e}, gradient norm {norm_gap:.2e}")
+    others = [(side, s) for side in sides if side != "as is" for s in steps]
+    gap = max(abs(results["as is", s][0] - results[side, s][0]) for side, s in others)
+    norm_gap = max(abs(results["as is", s][1] - results[side, s][1]) for side, s in others)
+    print(f"largest difference from `as is`: loss {gap:.2e}, gradient norm {norm_gap:.2e}")
     quiet = "busy" if window.busy else "quiet"
     print(f"load average {window.loadavg_before} -> {window.loadavg_after}; other processes "
           f"{window.foreign_cores:.2f} cores on average ({quiet})")  # fmt: skip

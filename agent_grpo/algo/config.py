@@ -53,7 +53,8 @@ class SpeedConfig(ConfigModel):
     micro_batch_tokens: int = Field(default=4096, ge=1)
     """Most tokens per forward/backward: padded rows x longest row or, with `shared_prefix`,
     the tokens that pass computes (prompts once, then every row past its prompt, padded to the
-    longest); whole groups share a micro-batch while they fit, and gradients are accumulated
+    longest, and each row's copy of its prompt's keys and values at their share of a token's
+    memory); whole groups share a micro-batch while they fit, and gradients are accumulated
     across micro-batches."""
     shared_prefix: bool = True
     """Run the backbone once over each group's shared prompt, the prompts of every group in a

@@ -3,9 +3,11 @@
 A 49k-152k vocabulary makes the full fp32 logits of a training batch the largest tensor in the
 step (B=16, T=4096, V=152k is 40 GB), twice over once autograd saves it for `log_softmax`. So
 `token_logprobs` runs the backbone once, then applies the output head to `chunk_size` tokens at a
-time and keeps only each token's `logit[target] - logsumexp(logits)`. Each chunk runs under
-`torch.utils.checkpoint`, so the backward recomputes one chunk's logits at a time instead of
-keeping every chunk's alive. Padding targets are skipped, not computed and thrown away.
+time and keeps only each token's `logit[target] - logsumexp(logits)`. The backward recomputes one
+chunk's logits at a time instead of keeping every chunk's alive: for a plain linear head in
+`_HeadLogprobs`, which turns them in place into the chunk's gradient; for any other head (a bias,
+autocast, an adapter) by running the chunk under `torch.utils.checkpoint`. Padding targets
+are skipped, not computed and thrown away.
 
 Alignment: `out[:, t]` is `log p(input_ids[:, t] | input_ids[:, :t])`. Position 0 (and, in a
 left-padded row, the first real token) has no prefix and padding has no meaning: all are 0 in the
@@ -13,9 +15,10 @@ output, and callers mask them (only model tokens are trained on). This is the la
 `TrajectoryRecord.token_ids` and its logprob arrays.
 
 Where we depart from common practice: TRL materialises the full logits and then loops over rows
-for the log-softmax; verl can use fused Triton kernels. We stay in plain PyTorch and accept a
-Python loop over chunks (and one recomputation of the head in the backward). Models that post-
-process logits beyond the output head (Gemma's soft-capping, Cohere's logit scale) are refused
+for the log-softmax; verl can use fused Triton kernels. We stay in plain PyTorch (an autograd
+function of a few matmuls and in-place ops) and accept a Python loop over chunks (and one
+recomputation of the head in the backward). Models that
+post-process logits beyond the output head (Gemma's soft-capping, Cohere's logit scale) are refused
 rather than silently mis-scored.
 """
 
@@ -24,16 +27,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 __all__ = [
     "common_prefix_length",
+    "kv_slot_cost",
     "length_buckets",
     "micro_batch_logprobs",
     "position_ids_from_mask",
@@ -86,6 +91,62 @@ def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperatur
     return picked - torch.logsumexp(logits, dim=-1)  # [N]
 
 
+class _HeadLogprobs(torch.autograd.Function):
+    """`log_softmax(hidden @ weight.T / temperature)` at `targets`, for one chunk of tokens,
+    keeping only the chunk's hidden states and log-normalisers for the backward.
+
+    The backward recomputes the logits once and turns them in place into the gradient
+    `g * (onehot(target) - softmax) / temperature`: the four matmuls of checkpointing the plain
+    computation, without its second forward's log-sum-exp, the one-hot gradient scattered into a
+    fresh vocabulary-sized zero tensor and the sum of the two (each a pass over `[N, V]`).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float
+    ) -> Tensor:
+        logits = _upcast(F.linear(hidden, weight))  # [N, V]
+        if temperature != 1.0:
+            logits.div_(temperature)
+        normaliser = torch.logsumexp(logits, dim=-1)  # [N]
+        ctx.save_for_backward(hidden, weight, targets, normaliser)
+        ctx.temperature = temperature
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - normaliser  # [N]
+
+    @staticmethod
+    @once_differentiable  # the in-place ops below build no graph of their own
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None, None, None]:
+        hidden, weight, targets, normaliser = ctx.saved_tensors
+        temperature: float = ctx.temperature
+        logits = _upcast(F.linear(hidden, weight))  # [N, V]
+        if temperature != 1.0:
+            logits.div_(temperature)
+        coeff = logits.sub_(normaliser[:, None]).exp_().mul_(-grad[:, None])  # -g * softmax
+        coeff.scatter_add_(1, targets[:, None], grad[:, None])  # + g at the target
+        if temperature != 1.0:
+            coeff.div_(temperature)
+        coeff = coeff.to(weight.dtype)  # [N, V]
+        grad_weight = coeff.T @ hidden if ctx.needs_input_grad[1] else None  # [V, H]
+        return coeff @ weight, grad_weight, None, None  # [N, H]
+
+
+def _fusable_head(head: nn.Module, hidden: Tensor) -> Tensor | None:
+    """The weight of a head `_HeadLogprobs` can stand in for: a plain bias-free `nn.Linear` (not
+    an adapter's wrapper) whose weight is an ordinary parameter in the hidden states' dtype,
+    outside autocast (whose casts the module call makes); else None. Under FSDP2 the root's
+    forward has gathered the head's weight into an ordinary parameter by now, and its gradient
+    reaches that parameter as through the module call."""
+    weight = getattr(head, "weight", None)
+    plain = (
+        type(head) is nn.Linear
+        and head.bias is None
+        and type(weight) is nn.Parameter
+        and weight.dtype == hidden.dtype
+        and not torch.is_autocast_enabled(hidden.device.type)
+    )
+    return weight if plain else None
+
+
 def _hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     """Final hidden states of the backbone (after its last norm), `[B, T, H]`."""
     backbone = cast(nn.Module, model.get_decoder())  # type: ignore[operator]
@@ -113,10 +174,13 @@ def _head_logprobs(
     targets = input_ids[:, 1:].reshape(-1)[index]  # [N]
     head = cast(nn.Module, model.get_output_embeddings())  # type: ignore[operator]
     use_checkpoint = torch.is_grad_enabled() and flat_hidden.requires_grad
+    weight = _fusable_head(head, flat_hidden) if use_checkpoint else None
     pieces = []
     for start in range(0, targets.numel(), chunk_size):
         h, y = flat_hidden[start : start + chunk_size], targets[start : start + chunk_size]
-        if use_checkpoint:
+        if weight is not None:
+            piece = _HeadLogprobs.apply(h, weight, y, temperature)
+        elif use_checkpoint:
             piece = checkpoint(_chunk_logprobs, head, h, y, temperature, use_reentrant=False)
         else:
             piece = _chunk_logprobs(head, h, y, temperature)
@@ -148,8 +212,8 @@ def token_logprobs(
     row, and padded positions are 0. With `target_mask` [B, T], only those tokens are scored
     (the rest are 0): the trainer passes the loss mask, so the output head never runs on prompt
     or tool tokens.
-    Differentiable when grad is enabled (chunks are checkpointed); under `torch.no_grad()` it
-    simply loops over chunks.
+    Differentiable when grad is enabled (each chunk's logits recomputed in the backward); under
+    `torch.no_grad()` it simply loops over chunks.
     """
     _check_plain_head(model)
     if attention_mask is None:
@@ -241,12 +305,16 @@ def _common_head(heads: Tensor, cached: list[int]) -> int:
 
 
 def shared_prefix_tokens(
-    input_ids: Tensor, attention_mask: Tensor, groups: Sequence[Sequence[int]]
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    groups: Sequence[Sequence[int]],
+    kv_slot_cost: float = 0.0,
 ) -> int:
-    """Tokens `shared_prefix_token_logprobs` computes for these right-padded rows, padding
-    included, at most: what a micro-batch's activations grow with. Its suffix passes count as
-    one (`length_buckets` splits them only where that pads less); the rows that run apart as
-    rows x their longest."""
+    """Tokens `shared_prefix_token_logprobs` computes for these right-padded rows, grouped as it
+    groups them (`prefix_groups`), padding included, at most: what a micro-batch's activations
+    grow with. Its suffix passes count as one (`length_buckets` splits them only where that pads
+    less); the rows that run apart as rows x their longest. Each suffix row also holds a copy of
+    its group's prefix keys and values, `kv_slot_cost` tokens' worth a slot (`kv_slot_cost`)."""
     cached = _cached_lengths(input_ids, attention_mask, groups)
     lengths = attention_mask.sum(dim=1).tolist()  # [B]
     alone = [lengths[r] for g, n in zip(groups, cached, strict=True) if n < 1 for r in g]
@@ -258,7 +326,22 @@ def shared_prefix_tokens(
         total += head + len(prefixes) * (max(prefixes) - head)
         suffixes = [lengths[r] - n for g, n in shared for r in g]
         total += len(suffixes) * max(suffixes)
+        total += math.ceil(len(suffixes) * max(prefixes) * kv_slot_cost)
     return total
+
+
+def kv_slot_cost(model: nn.Module) -> float:
+    """What one slot of a suffix row's copy of its prefix KV costs, in computed tokens: a layer
+    holds its keys and values twice (gathered per row, then concatenated with the row's own),
+    4 x KV heads x head size, where a computed token saves about 20 hidden sizes of activations
+    (SmolLM2: 11.5k floats a layer at hidden 576); so 1/5 x KV heads / attention heads (1/15 for
+    SmolLM2's 3 of 9), 1/5 where the config does not say."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads <= 0:
+        return 0.2
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    return 0.2 * (kv_heads if isinstance(kv_heads, int) and kv_heads > 0 else heads) / heads
 
 
 def prefix_sharing_supported(model: nn.Module) -> bool:
@@ -333,7 +416,7 @@ def _prefix_pass(backbone: nn.Module, heads: Tensor, cached: list[int]) -> _Pref
         out = backbone(input_ids=heads[:, :width], attention_mask=valid.long(), use_cache=True)
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         return _Prefixes(out.last_hidden_state, layers)
-    shared = backbone(input_ids=heads[:1, :root], use_cache=True)  # [1, R]
+    shared = backbone(input_ids=heads[:1, :root], use_cache=True)  # over [1, R] tokens
     layers = [(layer.keys.expand(count, -1, -1, -1), layer.values.expand(count, -1, -1, -1))
               for layer in shared.past_key_values.layers]  # fmt: skip
     hidden = shared.last_hidden_state.expand(count, -1, -1)  # [C, R, H]
@@ -346,7 +429,8 @@ def _prefix_pass(backbone: nn.Module, heads: Tensor, cached: list[int]) -> _Pref
         past_key_values=DynamicCache(ddp_cache_data=layers),
         use_cache=True,
     )
-    layers = [(layer.keys, layer.values) for layer in rest.past_key_values.layers]  # [C, P]
+    layers = [(layer.keys, layer.values) for layer in rest.past_key_values.layers]
+    # each [C, heads, P, d]
     return _Prefixes(torch.cat([hidden, rest.last_hidden_state], dim=1), layers)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agent_grpo.models.logprobs import shared_prefix_tokens
+from agent_grpo.models.logprobs import prefix_groups, shared_prefix_tokens
 from agent_grpo.trajectory.record import Provenance, TrajectoryRecord, TurnRecord
 
 __all__ = [
@@ -169,12 +169,14 @@ def micro_batches(
     by_group: bool,
     rows: Sequence[int] | None = None,
     shared_prefix: bool = False,
+    kv_slot_cost: float = 0.2,
 ) -> list[list[int]]:
     """Row groups for forward passes, token-sized (padded rows x longest <= `max_tokens`); with
     `by_group`, whole GRPO groups share a micro-batch while they fit, and a group is never split
     unless it alone is too large. With `shared_prefix` (the model runs the shared-prefix pass)
     a micro-batch of groups is sized by the tokens that pass computes (`shared_prefix_tokens`:
-    prompts once, rows past them), not as if every row held its own prompt.
+    prompts once, rows past them, and the rows' copies of their prefix KV at `kv_slot_cost`),
+    not as if every row held its own prompt.
 
     Only `rows` (default: all) are placed. Keeping a group together lets its members share one
     pass over their common prompt (`shared_prefix_token_logprobs`, which runs the prefixes of
@@ -192,10 +194,19 @@ def micro_batches(
     for row in wanted:
         buckets.setdefault(int(batch.group_index[row]), []).append(row)
 
+    # the pass groups rows by what precedes their first target (a fork's by its own context),
+    # a key of the row alone: a micro-batch's grouping is the batch's, restricted to its rows
+    prompt_of = {r: k for k, members in enumerate(prefix_groups(batch.input_ids, batch.loss_mask))
+                 for r in members}  # fmt: skip
+
     def size(groups: list[list[int]]) -> int:
-        if shared_prefix:
-            return shared_prefix_tokens(batch.input_ids, batch.attention_mask, groups)
-        return max(lengths[r] for g in groups for r in g) * sum(len(g) for g in groups)
+        if not shared_prefix:
+            return max(lengths[r] for g in groups for r in g) * sum(len(g) for g in groups)
+        by_prompt: dict[int, list[int]] = {}
+        for r in (r for g in groups for r in g):
+            by_prompt.setdefault(prompt_of[r], []).append(r)
+        return shared_prefix_tokens(batch.input_ids, batch.attention_mask,
+                                    list(by_prompt.values()), kv_slot_cost)  # fmt: skip
 
     out: list[list[int]] = []
     current: list[list[int]] = []

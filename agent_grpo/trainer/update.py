@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from agent_grpo.algo.config import AlgoConfig
 from agent_grpo.algo.objective import grpo_micro_batch_loss, loss_denominator
 from agent_grpo.logs import get_logger
+from agent_grpo.models.logprobs import kv_slot_cost
 from agent_grpo.trainer.backward_steps import BackwardSteps
 from agent_grpo.trainer.batch import PackedBatch, episode_rows, micro_batches, rows_with_loss
 from agent_grpo.trainer.metrics import UpdateMetrics, UpdateStats
@@ -42,6 +43,7 @@ from agent_grpo.trainer.parallel import (
     grad_sync,
     shard_rows,
     shares_prefixes,
+    unwrap_policy,
 )
 
 __all__ = ["batch_logprobs", "grpo_update", "minibatch_update"]
@@ -83,6 +85,7 @@ def _micro_batches(
     local = micro_batches(
         batch, algo.speed.micro_batch_tokens, by_group=algo.speed.shared_prefix, rows=rows,
         shared_prefix=shares_prefixes(model, algo.speed.shared_prefix),
+        kv_slot_cost=kv_slot_cost(unwrap_policy(model)),
     )  # fmt: skip
     count = int(global_max(torch.tensor(len(local)), ctx))
     filler = [rows[-1] if rows else 0]

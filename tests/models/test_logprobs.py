@@ -93,22 +93,55 @@ def _grads(model: LlamaForCausalLM, loss: Tensor) -> list[Tensor]:
     return list(torch.autograd.grad(loss, params))
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
 @pytest.mark.parametrize(
     ("dtype", "chunk_size", "atol"), [(torch.float32, 4, 1e-4), (torch.float64, 7, 1e-9)]
 )
 def test_gradients_equal_reference(
-    model: LlamaForCausalLM, dtype: torch.dtype, chunk_size: int, atol: float
+    model: LlamaForCausalLM, dtype: torch.dtype, chunk_size: int, atol: float, temperature: float
 ) -> None:
     # fp32 gradients reach ~9 here, so 1e-4 is float noise; fp64 pins the math itself.
     model = copy.deepcopy(model).double() if dtype == torch.float64 else model
     ids, mask = _padded_batch([11, 7], 11, seed=3)
     weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(4), dtype=dtype)
-    full = reference_token_logprobs(model, ids, mask, temperature=0.7)  # [B, T]
-    chunked = token_logprobs(model, ids, mask, temperature=0.7, chunk_size=chunk_size)  # [B, T]
+    full = reference_token_logprobs(model, ids, mask, temperature=temperature)  # [B, T]
+    chunked = token_logprobs(model, ids, mask, temperature=temperature, chunk_size=chunk_size)
+    assert "_HeadLogprobsBackward" in _graph_nodes(chunked)  # the fused head's own backward
     assert chunked.dtype == dtype
     expected, got = _grads(model, (full * weights).sum()), _grads(model, (chunked * weights).sum())
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, atol=atol, rtol=atol)
+
+
+def _graph_nodes(out: Tensor) -> set[str]:
+    """The names of the autograd nodes `out` depends on."""
+    seen, todo, names = set(), [out.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def test_heads_the_fused_function_cannot_stand_in_for_are_checkpointed(model) -> None:
+    """Under bf16 autocast (whose casts the head's module call makes) and for a head with a
+    bias, each chunk runs the plain computation under `checkpoint`, with the same values."""
+    ids, mask = _padded_batch([9, 6], 9, seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = token_logprobs(model, ids, mask, chunk_size=4)
+    assert "_HeadLogprobsBackward" not in _graph_nodes(out)
+    biased = copy.deepcopy(model)
+    head = biased.lm_head
+    biased.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.lm_head.weight.copy_(head.weight)
+        biased.lm_head.bias.zero_()
+    out = token_logprobs(biased, ids, mask, chunk_size=4)
+    assert "_HeadLogprobsBackward" not in _graph_nodes(out)
+    torch.testing.assert_close(out, token_logprobs(model, ids, mask), atol=1e-5, rtol=0)
 
 
 # --- memory ----------------------------------------------------------------------------------
@@ -168,17 +201,22 @@ def test_chunked_peak_memory_is_far_below_full_logits(
     full_logits_bytes = 2 * 128 * VOCAB * 4  # B * T * V fp32 = 50 MB; one chunk of 8 is 1.6 MB
     with frozen_head(model):
         reference = _peak_forward_backward(lambda: reference_token_logprobs(model, ids, mask))
+        fused = _peak_forward_backward(lambda: token_logprobs(model, ids, mask, chunk_size=8))
+        # a head `_HeadLogprobs` cannot stand in for: each chunk checkpointed
+        monkeypatch.setattr(logprobs_module, "_fusable_head", lambda head, hidden: None)
         chunked = _peak_forward_backward(lambda: token_logprobs(model, ids, mask, chunk_size=8))
         # The same chunk loop without checkpointing keeps every chunk's logits for backward.
         monkeypatch.setattr(logprobs_module, "checkpoint", lambda f, *a, use_reentrant: f(*a))
         uncheckpointed = _peak_forward_backward(
             lambda: token_logprobs(model, ids, mask, chunk_size=8)
         )
-    # The measurement sees full logits when they exist, so the bound below can fail.
+    # The measurement sees full logits when they exist, so the bounds below can fail.
     assert reference > full_logits_bytes
     assert uncheckpointed > full_logits_bytes / 2
-    # Measured: 8.8 MB, about 4.4 chunks of logits (forward, softmax and grads) + activations.
+    # Measured: 8.8 MB checkpointed, about 4.4 chunks of logits (forward, softmax and grads) +
+    # activations; 4.0 MB fused (one chunk of logits, made the gradient in place).
     assert chunked < full_logits_bytes / 4
+    assert fused < full_logits_bytes / 4
 
 
 # ---- Shared-prefix logprobs (one backbone pass over a group's prompt) equal the plain computation.

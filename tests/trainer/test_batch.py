@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerBase
 
 from agent_grpo.inspect.rewriting_templates import THINKING_PROMPT, with_template
-from agent_grpo.models.logprobs import shared_prefix_tokens
+from agent_grpo.models.logprobs import prefix_groups, shared_prefix_tokens
 from agent_grpo.testing.records import builder_record, minimal_record
 from agent_grpo.trainer.batch import (
     PackedBatch,
@@ -129,11 +130,46 @@ def test_micro_batches_sized_by_the_tokens_the_shared_prefix_pass_computes() -> 
     batch = _groups_sharing_a_head()
     assert shared_prefix_tokens(batch.input_ids, batch.attention_mask, [[0, 1]]) == 221
     assert shared_prefix_tokens(batch.input_ids, batch.attention_mask, [[0, 1], [2, 3]]) == 242
-    assert micro_batches(batch, 263, by_group=True, shared_prefix=True) == [list(range(6))]
-    assert micro_batches(batch, 262, by_group=True, shared_prefix=True) == [[0, 1, 2, 3], [4, 5]]
-    assert micro_batches(batch, 220, by_group=True, shared_prefix=True) == [[0], [1], [2], [3],
-                                                                           [4], [5]]  # fmt: skip
+
+    def sized(budget: int, kv_slot_cost: float = 0.0) -> list[list[int]]:
+        return micro_batches(batch, budget, by_group=True, shared_prefix=True,
+                             kv_slot_cost=kv_slot_cost)  # fmt: skip
+
+    assert sized(263) == [list(range(6))]
+    assert sized(262) == [[0, 1, 2, 3], [4, 5]]
+    assert sized(220) == [[0], [1], [2], [3], [4], [5]]
     assert micro_batches(batch, 430, by_group=True) == [[0, 1], [2, 3], [4, 5]]  # padded
+    # each suffix row's copy of the 209-slot prefix KV: 6 x 209 x 0.1 -> 126 more tokens
+    assert sized(263 + 125, kv_slot_cost=0.1) == [[0, 1, 2, 3], [4, 5]]
+    assert sized(263 + 126, kv_slot_cost=0.1) == [list(range(6))]
+
+
+def test_a_fork_is_sized_as_the_pass_groups_it() -> None:
+    """Rows 2 and 3 fork rows 0 and 1 (their tokens, then 10 of their own, only those trained):
+    the pass groups a row by what precedes its first target, so each fork runs alone at its
+    full 225 tokens; with rows 0 and 1 (209 prefix + 2 x 6) that is 671 tokens, not the 273 of
+    one GRPO group of 4 rows sharing 209."""
+    batch = _groups_sharing_a_head().select([0, 1])
+    forks = torch.cat([batch.input_ids, torch.arange(3000, 3020).view(2, 10)], dim=1)
+    ids = torch.cat([F.pad(batch.input_ids, (0, 10)), forks])  # [4, 225]
+    mask = torch.ones_like(ids)
+    mask[:2, 215:] = 0
+    loss_mask = torch.zeros_like(ids, dtype=torch.bool)
+    loss_mask[:2, 210:215] = True
+    loss_mask[2:, 215:] = True
+    nan = torch.full(ids.shape, float("nan"))
+    forked = PackedBatch(ids, mask, loss_mask, nan, torch.ones(ids.shape), torch.zeros(4).long(),
+                         torch.tensor([0, 1, 0, 1]))  # fmt: skip
+    groups = prefix_groups(forked.input_ids, forked.loss_mask)
+    assert groups == [[0, 1], [2], [3]]
+    assert shared_prefix_tokens(forked.input_ids, forked.attention_mask, groups) == 671
+    # too large alone, the group is split by padded rows x longest: 2 x 215, 2 x 225
+    assert micro_batches(forked, 670, by_group=True, shared_prefix=True, kv_slot_cost=0) == [
+        [0, 1], [2, 3]
+    ]  # fmt: skip
+    assert micro_batches(forked, 671, by_group=True, shared_prefix=True, kv_slot_cost=0) == [
+        [0, 1, 2, 3]
+    ]  # fmt: skip
 
 
 def _forked_record(tokenizer: PreTrainedTokenizerBase) -> TrajectoryRecord:

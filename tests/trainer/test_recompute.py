@@ -22,9 +22,11 @@ def _loss_and_saved(model: torch.nn.Module) -> tuple[torch.Tensor, int]:
     target = torch.zeros_like(ids)
     target[:, 40:] = 1
     saved: dict[int, int] = {}
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[id(t)] = t.numel() * t.element_size()  # a tensor saved twice is counted once
+        if t.untyped_storage().data_ptr() not in weights:  # a saved weight costs no memory
+            saved[id(t)] = t.numel() * t.element_size()  # a tensor saved twice counts once
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
