@@ -173,19 +173,29 @@ def _bytes_mb(tensors: Any) -> float:
 
 def computed_tokens(batch: Any) -> int:
     """Tokens one forward over `batch` computes with `algo.speed.shared_prefix`: each group's prompt
-    once (up to its first model token), then every row's model-token span."""
+    once (up to its first model token), the tokens every group's prompt starts with once where
+    the pass runs them apart (`_common_head`'s rule), then every row's model-token span."""
+    from agent_grpo.models.logprobs import PASS_TOKENS, common_prefix_length
+
     first = batch.loss_mask.float().argmax(dim=1)  # [B]: where each row's model tokens start
     trained = batch.loss_mask.any(dim=1)  # [B]
     prompts: dict[int, int] = {}
-    for g, start, t in zip(
-        batch.group_index.tolist(), first.tolist(), trained.tolist(), strict=True
+    row_of: dict[int, int] = {}
+    for b, (g, start, t) in enumerate(
+        zip(batch.group_index.tolist(), first.tolist(), trained.tolist(), strict=True)
     ):
         if t:
             prompts[g] = min(prompts.get(g, start), start)
+            row_of.setdefault(g, b)
     lengths = batch.attention_mask.sum(dim=1)  # [B]
     rows = [int(lengths[b]) - prompts[g] for b, g in enumerate(batch.group_index.tolist())
             if g in prompts and bool(trained[b])]  # fmt: skip
-    return sum(prompts.values()) + sum(rows)
+    head = 0
+    if len(prompts) > 1:
+        heads = batch.input_ids[list(row_of.values()), : min(prompts.values()) - 1]  # [C, n]
+        head = common_prefix_length(heads, torch.ones_like(heads))
+        head = head if (len(prompts) - 1) * head > PASS_TOKENS else 0
+    return sum(prompts.values()) - (len(prompts) - 1) * head + sum(rows)
 
 
 class Watch:

@@ -34,3 +34,26 @@ def test_a_quick_run_of_our_side_sees_every_phase(tmp_path: Path) -> None:
     assert run["parts"]["engine (weights, KV cache, runtime)"] >= 0
     hf = result["results"]["sides"]["hf"]
     assert hf["ok"] and hf["step_s"] > 0 and hf["update_tokens"] > 0
+
+
+def test_the_update_ceiling_counts_the_tokens_the_pass_computes() -> None:
+    """3 groups x 2 rows: a 200-token head every prompt starts with, a 10-token task, 5 model
+    tokens. The pass computes each prompt once but the head once in all ((3 - 1) x 200 > 128):
+    3 x 210 - 2 x 200 + 6 x 5 = 260 tokens."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from train_throughput import computed_tokens
+
+    from agent_grpo.trainer.batch import PackedBatch
+
+    head = list(range(10, 210))
+    ids = torch.tensor([[*head, *range(1000 + 10 * g, 1010 + 10 * g), *[2000 + r] * 5]
+                        for g in range(3) for r in range(2)])  # fmt: skip
+    loss_mask = torch.zeros_like(ids, dtype=torch.bool)
+    loss_mask[:, 210:] = True
+    nan = torch.full(ids.shape, float("nan"))
+    batch = PackedBatch(ids, torch.ones_like(ids), loss_mask, nan, torch.ones(ids.shape),
+                        torch.tensor([0, 0, 1, 1, 2, 2]), torch.arange(6))  # fmt: skip
+    assert computed_tokens(batch) == 260
+    assert computed_tokens(batch.select([0, 1])) == 220  # one group: 210 + 2 x 5
