@@ -90,9 +90,9 @@ WORKLOADS = {
 }
 """`calculator` is what the step was tuned on; `notes` was not (issue 30)."""
 
-IN_BACKWARD = {"optimizer_in_backward": True, "max_grad_norm": None}
+IN_BACKWARD = {"speed": {"optimizer_in_backward": True}, "max_grad_norm": None}
 """No whole-model gradient buffer (agent_grpo/trainer/backward_steps.py); no clipping then."""
-LEAN = {**IN_BACKWARD, "recompute_mlp": True}
+LEAN = {"speed": {"optimizer_in_backward": True, "recompute_mlp": True}, "max_grad_norm": None}
 """Also recompute the MLPs in backward (agent_grpo/trainer/recompute.py)."""
 SIDES: dict[str, dict[str, Any]] = {
     "hf": {"backend": {"type": "hf"}},

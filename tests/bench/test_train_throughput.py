@@ -57,3 +57,18 @@ def test_the_update_ceiling_counts_the_tokens_the_pass_computes() -> None:
                         torch.tensor([0, 0, 1, 1, 2, 2]), torch.arange(6))  # fmt: skip
     assert computed_tokens(batch) == 260
     assert computed_tokens(batch.select([0, 1])) == 220  # one group: 210 + 2 x 5
+
+
+def test_every_side_of_ours_is_a_valid_train_config() -> None:
+    """Each of our sides' configs validates (the lean sides once named knobs that had moved to
+    `algo.speed`, and a full `make bench` then reported them as not run)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train_throughput
+
+    from agent_grpo.config.jobs import TrainConfig
+
+    args = train_throughput.parse_args([])
+    for side in train_throughput.SIDES:
+        config = TrainConfig.model_validate(train_throughput.our_config(args, side, "/tmp/x"))
+        if "lean" in side:
+            assert config.algo.speed.recompute_mlp and config.algo.speed.optimizer_in_backward
