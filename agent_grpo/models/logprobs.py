@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 __all__ = [
+    "common_head",
     "common_prefix_length",
     "kv_slot_cost",
     "length_buckets",
@@ -296,7 +297,7 @@ def _cached_lengths(
             if len(g) > 1 else 0 for g in groups]  # fmt: skip
 
 
-def _common_head(heads: Tensor, cached: list[int]) -> int:
+def common_head(heads: Tensor, cached: list[int]) -> int:
     """The tokens every group's cached prefix starts with (`heads` [C, T], a row of each
     group), when running them once rather than C times saves more than a pass costs; else 0."""
     shortest = heads[:, : min(cached)]  # [C, n]
@@ -322,7 +323,7 @@ def shared_prefix_tokens(
     total = len(alone) * max(alone, default=0)
     if shared:
         prefixes = [n for _, n in shared]
-        head = _common_head(input_ids[[g[0] for g, _ in shared]], prefixes)
+        head = common_head(input_ids[[g[0] for g, _ in shared]], prefixes)
         total += head + len(prefixes) * (max(prefixes) - head)
         suffixes = [lengths[r] - n for g, n in shared for r in g]
         total += len(suffixes) * max(suffixes)
@@ -411,7 +412,7 @@ def _prefix_pass(backbone: nn.Module, heads: Tensor, cached: list[int]) -> _Pref
     device = heads.device
     slots = torch.arange(width, device=device)  # [P]
     valid = slots[None] < torch.tensor(cached, device=device)[:, None]  # [C, P], right-padded
-    root = _common_head(heads, cached)  # R
+    root = common_head(heads, cached)  # R
     if root == 0:
         out = backbone(input_ids=heads[:, :width], attention_mask=valid.long(), use_cache=True)
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]

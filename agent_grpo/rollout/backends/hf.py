@@ -59,7 +59,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from agent_grpo.models.attention import ATTENTION
-from agent_grpo.models.logprobs import token_logprobs
+from agent_grpo.models.logprobs import common_prefix_length, token_logprobs
 from agent_grpo.models.shared_prefix_attention import SharedPrefix
 from agent_grpo.rollout.backends.base import Generation, SamplingConfig
 from agent_grpo.rollout.backends.kv_cache import reserved_cache
@@ -177,8 +177,7 @@ def shared_head(prompts: Sequence[Sequence[int]], limit: int) -> int:
     """Length of the longest prefix every prompt starts with, at most `limit` tokens."""
     limit = max(0, min([limit, *(len(p) for p in prompts)]))
     heads = torch.tensor([list(p[:limit]) for p in prompts], dtype=torch.long)  # [B, n]
-    differs = (heads != heads[:1]).any(dim=0)  # [n]
-    return int(differs.int().argmax()) if bool(differs.any()) else limit
+    return common_prefix_length(heads, torch.ones_like(heads))
 
 
 @dataclass
