@@ -286,12 +286,14 @@ def train_section(r: Result) -> str:
             md_table(["impl", *PARTS, "peak in rollout", "peak in update"], parts),
         ]
     if bounds and ceiling:
-        f32, b16 = ceiling["fp32"], ceiling["bf16"]
+        f32, b16 = ceiling["fp32"], ceiling.get("bf16")  # bf16: where a side ran in it
+        bf16 = (f", bf16 {b16['layers forward'] / 1e9:.0f} / {b16['layers backward'] / 1e9:.0f}"
+                if b16 else "")  # fmt: skip
         out += [
             "Against the limit. Measured in the same run: matmul FLOP/s on the model's own "
             f"linear shapes ({ceiling['tokens']} rows) forward / backward: fp32 "
-            f"{f32['layers forward'] / 1e9:.0f} / {f32['layers backward'] / 1e9:.0f} GFLOP/s, "
-            f"bf16 {b16['layers forward'] / 1e9:.0f} / {b16['layers backward'] / 1e9:.0f}; "
+            f"{f32['layers forward'] / 1e9:.0f} / {f32['layers backward'] / 1e9:.0f} GFLOP/s"
+            f"{bf16}; "
             f"memory bandwidth {ceiling['bandwidth_gb_s']:.1f} GB/s (reading a 1 GiB buffer). "
             "Update ceiling: the time the update's matmuls (reference forward, policy forward "
             "and backward) take at those rates, with FLOPs counted exactly: 2 x the layers' "

@@ -174,8 +174,8 @@ def _bytes_mb(tensors: Any) -> float:
 def computed_tokens(batch: Any) -> int:
     """Tokens one forward over `batch` computes with `algo.speed.shared_prefix`: each group's prompt
     once (up to its first model token), the tokens every group's prompt starts with once where
-    the pass runs them apart (`_common_head`'s rule), then every row's model-token span."""
-    from agent_grpo.models.logprobs import PASS_TOKENS, common_prefix_length
+    the pass runs them apart (`common_head`), then every row's model-token span."""
+    from agent_grpo.models.logprobs import common_head
 
     first = batch.loss_mask.float().argmax(dim=1)  # [B]: where each row's model tokens start
     trained = batch.loss_mask.any(dim=1)  # [B]
@@ -190,11 +190,9 @@ def computed_tokens(batch: Any) -> int:
     lengths = batch.attention_mask.sum(dim=1)  # [B]
     rows = [int(lengths[b]) - prompts[g] for b, g in enumerate(batch.group_index.tolist())
             if g in prompts and bool(trained[b])]  # fmt: skip
-    head = 0
-    if len(prompts) > 1:
-        heads = batch.input_ids[list(row_of.values()), : min(prompts.values()) - 1]  # [C, n]
-        head = common_prefix_length(heads, torch.ones_like(heads))
-        head = head if (len(prompts) - 1) * head > PASS_TOKENS else 0
+    # The pass caches each group's prompt but its last token (which predicts the first model one).
+    cached = [prompts[g] - 1 for g in row_of]
+    head = common_head(batch.input_ids[list(row_of.values())], cached) if cached else 0
     return sum(prompts.values()) - (len(prompts) - 1) * head + sum(rows)
 
 
@@ -490,15 +488,18 @@ def worker_ceiling(args: argparse.Namespace) -> dict[str, Any]:
     prompt = WORKLOADS[args.workload].prompt_tokens
     tokens = args.tasks * prompt + args.tasks * args.group_size * args.max_tokens  # one update
     rows = args.tasks * args.group_size
+    # bf16 only where a side runs in it: on a CPU without bf16 instructions its matmuls take a
+    # minute even at one timed call (most of a `--quick` run's time)
+    dtypes = {"fp32": torch.float32}
+    if any("bf16" in side for side in args.sides):
+        dtypes["bf16"] = torch.bfloat16
     return {
         "tokens": tokens,
-        "fp32": matmul_flops(tokens, torch.float32),
-        "bf16": matmul_flops(tokens, torch.bfloat16),
+        **{name: matmul_flops(tokens, dtype) for name, dtype in dtypes.items()},
         "bandwidth_gb_s": bandwidth_gb_s(),
         "decode_rows": rows,
         "decode_matmul_by_kernel": {
-            "fp32": decode_matmul_s(rows, torch.float32),
-            "bf16": decode_matmul_s(rows, torch.bfloat16),
+            name: decode_matmul_s(rows, dtype) for name, dtype in dtypes.items()
         },
         **model_sizes(),
     }
@@ -514,7 +515,7 @@ def measure(side: str, args: argparse.Namespace) -> dict[str, Any]:
              "--tasks", str(args.tasks),
              "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
              "--steps", str(args.steps), "--beta", str(args.beta), "--lr", str(args.lr),
-             "--seed", str(args.seed), "--algo", args.algo]  # fmt: skip
+             "--seed", str(args.seed), "--algo", args.algo, "--sides", *args.sides]  # fmt: skip
     flags += ["--quick"] if args.quick else []
     env = child_env(args.threads)
     # glibc's own allocator settings, as a user runs: the low mmap threshold `child_env` sets for

@@ -36,3 +36,23 @@ def test_a_rewrite_keeps_the_hand_kept_section_and_replaces_the_rest(tmp_path: P
     written = report(doc)
     assert "Stale generated text." not in written
     assert written.endswith(kept) and written.count(HAND_KEPT) == 1
+
+
+def test_a_run_without_a_bf16_side_reports_the_fp32_ceilings_alone() -> None:
+    """The bench measures bf16's ceilings only where a side runs in bf16 (a minute of matmuls
+    on a CPU without bf16 instructions); the section then names fp32's alone."""
+    import copy
+    import json
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import report
+
+    recorded = json.loads((ROOT / "bench" / "results" / "train_throughput.json").read_text())
+    assert "bf16" in recorded["results"]["ceiling"]  # the full run measured both
+    fp32_only = copy.deepcopy(recorded)
+    ceiling = fp32_only["results"]["ceiling"]
+    del ceiling["bf16"], ceiling["decode_matmul_by_kernel"]["bf16"]
+    fp32_only["results"]["sides"] = {k: v for k, v in fp32_only["results"]["sides"].items()
+                                     if "bf16" not in k}  # fmt: skip
+    both, alone = report.train_section(recorded), report.train_section(fp32_only)
+    assert "GFLOP/s, bf16 " in both and "bf16" not in alone.split("Against the limit")[1]
