@@ -29,9 +29,15 @@ def _quiet_transformers() -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     from agent_grpo.config.base import load_config
     from agent_grpo.config.jobs import TrainConfig
-    from agent_grpo.trainer.loop import train
+    from agent_grpo.preflight import preflight_train
 
     config = load_config(TrainConfig, args.config, args.overrides)
+    # The checks `train` starts with, run before it is imported (torch and transformers take
+    # seconds): a mistake is one line within a second or two. They take milliseconds, so `train`
+    # running them again (for the Python API) costs nothing worth a flag.
+    preflight_train(config)
+    from agent_grpo.trainer.loop import train
+
     _quiet_transformers()
     print(train(config, resume=args.resume, accept_config_change=args.accept_config_change))
     return 0
@@ -40,9 +46,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from agent_grpo.config.base import load_config
     from agent_grpo.config.jobs import EvalRunConfig
-    from agent_grpo.evaluation.job import run_eval_job
+    from agent_grpo.preflight import preflight_eval
 
     config = load_config(EvalRunConfig, args.config, args.overrides)
+    preflight_eval(config)  # before the heavy imports, as in `_cmd_train`
+    from agent_grpo.evaluation.job import run_eval_job
+
     _quiet_transformers()
     print(run_eval_job(config))
     return 0
@@ -169,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(argv[0] if argv else None), argv)
     if args.func is not _cmd_train:
         return _run(args)
-    from agent_grpo.trainer.parallel import end_rank, launched_world_size
+    from agent_grpo.trainer.launch import end_rank, launched_world_size
 
     if launched_world_size() == 1:
         return _run(args)
@@ -186,7 +195,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args))
     except Exception as error:
-        if not isinstance(error, _user_errors()):
+        # a config mistake needs no import: it is reported before torch loads
+        if not isinstance(error, ConfigError) and not isinstance(error, _user_errors()):
             raise
         print(f"error: {error}", file=sys.stderr)  # the input is wrong: one line, no traceback
         return 2
@@ -194,7 +204,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that name a problem in the user's input or setup, printed as one line. Imported
-    only once one is raised, so `agent-grpo model fetch` stays light."""
+    only once one is raised (they import torch and transformers), so `agent-grpo model fetch`
+    and a config mistake stay light."""
     from agent_grpo.models.loading import CorruptModelError, ModelFetchError, ModelNotFoundError
     from agent_grpo.rollout.collector import EnvStepError, PromptTooLongError
     from agent_grpo.run_dir.writer import RunDirWriteError

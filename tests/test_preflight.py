@@ -222,14 +222,29 @@ def here(name: str) -> str:
 # Through the CLI: each mistake is one line
 
 
+# `agent-grpo ARGS`, which also writes the modules it had imported when it exited to
+# `modules.txt`: a mistake must be reported before the trainer (torch's and transformers' import,
+# seconds) is loaded.
+CLI = """import atexit, sys
+from agent_grpo import cli
+atexit.register(lambda: open("modules.txt", "w").write("\\n".join(sorted(sys.modules))))
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
 def agent_grpo(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """`agent-grpo ARGS` in a fresh interpreter, with `preflight_envs` importable."""
     (cwd / "preflight_envs.py").write_text(ENV_MODULE)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(cwd)}
     return subprocess.run(
-        [sys.executable, "-m", "agent_grpo.cli", *args],
+        [sys.executable, "-c", CLI, *args],
         cwd=cwd, env=env, text=True, capture_output=True, timeout=600,
     )  # fmt: skip
+
+
+def imported(cwd: Path) -> list[str]:
+    """The modules the last `agent_grpo(cwd, ...)` had imported when it exited."""
+    return (cwd / "modules.txt").read_text().split()
 
 
 def fake_checkpoint(root: Path) -> Path:
@@ -291,6 +306,7 @@ def test_each_config_mistake_is_one_line_and_makes_no_run_dir(
     assert expected.replace("{checkpoint}", checkpoint).replace("{cwd}", str(tmp_path)) in lines[0]
     assert "Traceback" not in done.stderr + done.stdout
     assert not runs.exists()
+    assert "agent_grpo.trainer.loop" not in imported(tmp_path)  # reported before it loads
 
 
 @pytest.mark.slow
@@ -303,6 +319,7 @@ def test_eval_checks_before_loading_too(tmp_path: Path, tiny_model_dir: Path) ->
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
     assert done.stderr.startswith("error: env.kwargs {'num_ops': 0} of agent_grpo/Calculator-v0:")
     assert not runs.exists()
+    assert "agent_grpo.evaluation.job" not in imported(tmp_path)
 
 
 @pytest.mark.parametrize(

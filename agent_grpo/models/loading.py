@@ -15,16 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
 
 from agent_grpo._moved import moved_names
 from agent_grpo.config.base import close_match
-from agent_grpo.models.attention import use_grouped_sdpa
 from agent_grpo.models.embedded import (
     COMPLETE_STAMP,
     DEFAULT_MODEL,
@@ -39,6 +32,13 @@ from agent_grpo.models.embedded import (
     is_complete,
     sha256_file,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+# transformers is imported where a model or tokenizer is loaded: `agent_grpo.preflight` checks a
+# model's source with this module before anything heavy loads, so a mistake is reported in a
+# second rather than after transformers' import.
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -257,6 +257,8 @@ def _probe_hub(repo_id: str) -> None:
 
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     """Load the tokenizer of an embedded model name, local directory or hub id."""
+    from transformers import AutoTokenizer
+
     source = resolve_model_path(str(name_or_path))
     if Path(source).is_dir():
         _check_tokenizer_files(Path(source))
@@ -271,6 +273,10 @@ def load_model(
     name_or_path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> PreTrainedModel:
     """Load a causal LM from an embedded model name, local directory or hub id, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from agent_grpo.models.attention import use_grouped_sdpa
+
     source = resolve_model_path(str(name_or_path))
     if (Path(source) / "adapter_config.json").is_file():  # a LoRA checkpoint: base + adapter
         return _merged_adapter(Path(source), dtype=dtype, device=device)

@@ -58,20 +58,18 @@ Where we depart from common practice:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
 import os
-import sys
-import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, NoReturn, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from agent_grpo.trainer.launch import end_rank, launched_world_size
 from agent_grpo.trainer.optimizer import load_optimizer_state
 from agent_grpo.trainer.policy import LogprobModel
 
@@ -139,11 +137,6 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return device
 
 
-def launched_world_size() -> int:
-    """How many processes torchrun launched (its `WORLD_SIZE`); 1 outside torchrun."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def init_distributed(
     backend: str | None = None, timeout_s: float | None = None, device: str = "auto"
 ) -> DistContext:
@@ -166,24 +159,6 @@ def init_distributed(
             chosen, device_id=placed if chosen == "nccl" else None, timeout=timeout
         )
     return DistContext(rank, world_size, local_rank, placed)
-
-
-def end_rank(code: int) -> NoReturn:
-    """End this torchrun rank with exit status `code`, skipping the interpreter's teardown.
-
-    What a normal exit does first is done here, in its order: non-daemon threads are joined
-    (thread pools finish their work), the atexit handlers run (logging flushes and closes its
-    files, Ray shuts down, MCP servers stop) and Python's stdout and stderr are flushed. Only the
-    teardown after that is skipped: the final garbage collection, in which gloo can abort the
-    rank (see the module docstring).
-    """
-    threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        with contextlib.suppress(Exception):  # a closed or broken pipe must not change `code`
-            if stream is not None:
-                stream.flush()
-    os._exit(code)
 
 
 # ---- collectives and the row split --------------------------------------------------------------

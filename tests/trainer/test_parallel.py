@@ -28,7 +28,7 @@ from agent_grpo.config.jobs import AlgoConfig
 from agent_grpo.models.loading import load_model
 from agent_grpo.models.logprobs import token_logprobs
 from agent_grpo.testing.torchrun import run_torchrun
-from agent_grpo.trainer import parallel
+from agent_grpo.trainer import launch
 from agent_grpo.trainer.batch import PackedBatch
 from agent_grpo.trainer.parallel import (
     DistContext,
@@ -259,7 +259,7 @@ def ended(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -> list[int]:
         codes.append(code)
         raise Ended
 
-    monkeypatch.setattr(parallel, "end_rank", fake_end_rank)
+    monkeypatch.setattr(launch, "end_rank", fake_end_rank)
     return codes
 
 
