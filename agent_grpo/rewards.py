@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import httpx
-import torch
 from pydantic import Field
 
 from agent_grpo.config.base import ConfigModel
@@ -134,6 +133,7 @@ def _rule_fn(config: RuleRewardConfig) -> RewardFn:
 
 
 def _reward_model_fn(config: RewardModelRewardConfig) -> RewardFn:
+    import torch  # here, not at the top: a config names reward sources without loading torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.model)

@@ -57,6 +57,8 @@ def test_import_agent_grpo_is_light_and_api_names_resolve() -> None:
         "import inspect, sys, agent_grpo\n"
         "assert 'torch' not in sys.modules, 'import agent_grpo pulled in torch'\n"
         "assert callable(agent_grpo.load_run) and 'torch' not in sys.modules\n"
+        "import agent_grpo.config.jobs, agent_grpo.preflight\n"
+        "assert 'torch' not in sys.modules, 'validating a config pulled in torch'\n"
         "import agent_grpo.config.jobs, agent_grpo.evaluation.heldout, agent_grpo.trainer.loop\n"
         "assert agent_grpo.train.__module__ == agent_grpo.evaluate.__module__ == 'agent_grpo.api'\n"
         "assert 'overrides' in inspect.signature(agent_grpo.train).parameters\n"

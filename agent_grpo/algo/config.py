@@ -10,8 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from agent_grpo.algo.grpo import Aggregation, KLKind, RatioLevel, advantage_scale
-from agent_grpo.algo.masking import MaskLevel
+from agent_grpo.algo.choices import Aggregation, KLKind, MaskLevel, RatioLevel, advantage_scale
 from agent_grpo.config.base import ConfigModel
 
 __all__ = ["AlgoConfig", "MaskConfig", "SpeedConfig", "TurnCreditConfig"]

@@ -73,6 +73,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from agent_grpo.algo.choices import Aggregation, KLKind, RatioLevel, advantage_scale
 from agent_grpo.algo.dual_clip import dual_clip
 from agent_grpo.algo.sequence_ratio import sequence_log_ratio
 
@@ -92,10 +93,6 @@ __all__ = [
     "truncated_is_weights",
 ]
 
-KLKind = Literal["k1", "k2", "k3"]
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-RatioLevel = Literal["token", "sequence"]
-
 
 def dense_group_index(group_ids: Tensor | Sequence[Hashable], device: torch.device) -> Tensor:
     """Map arbitrary group ids to dense indices 0..G-1, one per sample."""
@@ -104,17 +101,6 @@ def dense_group_index(group_ids: Tensor | Sequence[Hashable], device: torch.devi
         return inverse.to(device)
     dense: dict[Hashable, int] = {}
     return torch.tensor([dense.setdefault(g, len(dense)) for g in group_ids], device=device)
-
-
-def advantage_scale(
-    scale: Literal["group", "none"] | None, leave_one_out: bool
-) -> Literal["group", "none"]:
-    """The advantage scale `scale` means: unset, `none` for RLOO (as published) and `group`
-    otherwise. `group_advantages` and `AlgoConfig` both resolve it here, so the function's
-    defaults and the config's agree."""
-    if scale is not None:
-        return scale
-    return "none" if leave_one_out else "group"
 
 
 def has_reward_variance(rewards: Sequence[float]) -> bool:

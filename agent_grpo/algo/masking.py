@@ -22,14 +22,12 @@ objective's 1/|y| normalisation), so masking never changes how a minibatch is sp
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
-__all__ = ["MaskLevel", "masked_is_weights"]
+from agent_grpo.algo.choices import MaskLevel
 
-MaskLevel = Literal["token", "sequence"]
+__all__ = ["MaskLevel", "masked_is_weights"]
 
 
 @torch.no_grad()

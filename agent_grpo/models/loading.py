@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from agent_grpo._moved import moved_names
@@ -34,11 +33,12 @@ from agent_grpo.models.embedded import (
 )
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-# transformers is imported where a model or tokenizer is loaded: `agent_grpo.preflight` checks a
-# model's source with this module before anything heavy loads, so a mistake is reported in a
-# second rather than after transformers' import.
+# torch and transformers are imported where a model or tokenizer is loaded: `agent_grpo.preflight`
+# checks a model's source with this module before anything heavy loads, so a mistake is reported
+# in a second rather than after their import.
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -176,8 +176,10 @@ def _check_model_files(model_dir: Path) -> None:
         raise ModelNotFoundError(f"{model_dir} holds no *.safetensors weights; {hint}")
     for path in weights:
         try:
-            with safe_open(str(path), framework="pt"):
-                pass  # opening parses the header and checks it covers the whole file
+            # opening parses the header and checks it covers the whole file; the numpy
+            # framework reads no tensor either, and does not import torch as "pt" does
+            with safe_open(str(path), framework="numpy"):
+                pass
         except SafetensorError as error:
             raise CorruptModelError(f"{path} is corrupt ({error}); {hint}") from None
 
@@ -270,13 +272,16 @@ def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def load_model(
-    name_or_path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    name_or_path: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu"
 ) -> PreTrainedModel:
-    """Load a causal LM from an embedded model name, local directory or hub id, in eval mode."""
+    """Load a causal LM from an embedded model name, local directory or hub id, in eval mode,
+    in `dtype` (fp32 when None)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from agent_grpo.models.attention import use_grouped_sdpa
 
+    dtype = torch.float32 if dtype is None else dtype
     source = resolve_model_path(str(name_or_path))
     if (Path(source) / "adapter_config.json").is_file():  # a LoRA checkpoint: base + adapter
         return _merged_adapter(Path(source), dtype=dtype, device=device)

@@ -15,11 +15,12 @@ correct for it with truncated importance sampling.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from agent_grpo.config.base import ConfigModel
+
+if TYPE_CHECKING:  # a config names sampling settings without loading torch
+    import torch
 
 __all__ = ["Generation", "GenerationBackend", "SamplingConfig"]
 
