@@ -32,14 +32,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from agent_grpo.preflight import preflight_train
 
     config = load_config(TrainConfig, args.config, args.overrides)
-    # The checks `train` starts with, run before it is imported (torch and transformers take
-    # seconds): a mistake is one line within a second or two. They take milliseconds, so `train`
-    # running them again (for the Python API) costs nothing worth a flag.
+    # the checks `train` starts with, run before the trainer is imported (torch and transformers
+    # take seconds): a mistake is one line in about a second
     preflight_train(config)
-    from agent_grpo.trainer.loop import train
+    from agent_grpo.trainer.loop import train_checked
 
     _quiet_transformers()
-    print(train(config, resume=args.resume, accept_config_change=args.accept_config_change))
+    changed = args.accept_config_change
+    print(train_checked(config, resume=args.resume, accept_config_change=changed))
     return 0
 
 
@@ -50,10 +50,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     config = load_config(EvalRunConfig, args.config, args.overrides)
     preflight_eval(config)  # before the heavy imports, as in `_cmd_train`
-    from agent_grpo.evaluation.job import run_eval_job
+    from agent_grpo.evaluation.job import run_checked_eval_job
 
     _quiet_transformers()
-    print(run_eval_job(config))
+    print(run_checked_eval_job(config))
     return 0
 
 

@@ -25,7 +25,8 @@ reward) with a backend and settings per side (`SIDES`). Peak RSS is the whole pr
 optimizer state, gradients at their peak, engine incl. its KV cache).
 
 Ceilings, measured in the same run (`ceiling` child, once per round): matmul FLOP/s on the
-model's own linear shapes (forward and both backward products, fp32 and bf16), the memory
+model's own linear shapes (forward and both backward products, fp32, and bf16 where a side runs
+in it), the memory
 bandwidth of streaming a buffer far larger than the caches, and the time torch's own kernels take
 for one decode step's matmuls at the step's batch (every weight read once, `rows` rows; the
 fastest of `F.linear`, oneDNN on reordered weights, and oneDNN with each layer's q/k/v and gate/up

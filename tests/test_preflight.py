@@ -285,6 +285,10 @@ MISTAKES = {
 }
 
 
+WITHOUT_TORCH = {"env-id", "env-kwargs", "steps", "group-size", "reset", "reset-type"}
+"""Mistakes found before anything imports torch (the rest check a model's files or an engine)."""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_each_config_mistake_is_one_line_and_makes_no_run_dir(
@@ -306,7 +310,10 @@ def test_each_config_mistake_is_one_line_and_makes_no_run_dir(
     assert expected.replace("{checkpoint}", checkpoint).replace("{cwd}", str(tmp_path)) in lines[0]
     assert "Traceback" not in done.stderr + done.stdout
     assert not runs.exists()
-    assert "agent_grpo.trainer.loop" not in imported(tmp_path)  # reported before it loads
+    loaded = imported(tmp_path)
+    assert "agent_grpo.trainer.loop" not in loaded  # reported before the trainer loads
+    if mistake in WITHOUT_TORCH:  # nor torch: a mistake in the config or the env, in a second
+        assert "torch" not in loaded
 
 
 @pytest.mark.slow

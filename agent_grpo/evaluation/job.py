@@ -16,12 +16,18 @@ from agent_grpo.preflight import preflight_eval
 from agent_grpo.rollout.backends.factory import EngineLimits, build_backend
 from agent_grpo.run_dir.writer import RunWriter
 
-__all__ = ["run_eval_job"]
+__all__ = ["run_checked_eval_job", "run_eval_job"]
 
 
 def run_eval_job(config: EvalRunConfig) -> Path:
     """Evaluate, write metrics and trajectories, print a table; returns the run directory."""
     preflight_eval(config)  # a config mistake is one line here, before any model or run dir
+    return run_checked_eval_job(config)
+
+
+def run_checked_eval_job(config: EvalRunConfig) -> Path:
+    """`run_eval_job` of a config `preflight_eval` has already checked (the CLI checks it before
+    it imports this module)."""
     path = resolve_model_path(config.model.name_or_path)
     tokenizer = load_tokenizer(path)
     model = load_model(path, dtype=getattr(torch, config.model.dtype)).eval()

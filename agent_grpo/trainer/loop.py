@@ -77,10 +77,10 @@ from agent_grpo.trainer.trainer import Trainer, push_weights, share_rollout, ver
 from agent_grpo.trainer.update import batch_logprobs, grpo_update
 from agent_grpo.trajectory.record import TrajectoryRecord
 
-__all__ = ["train", "train_step"]
+__all__ = ["train", "train_checked", "train_step"]
 
 _KEPT_UNTIL_EXIT: list[object] = []
-"""A distributed run's objects, never freed before the rank's process ends (see `train`)."""
+"""A distributed run's objects, never freed before the rank's process ends (see `train_checked`)."""
 
 
 def train_step(
@@ -257,6 +257,21 @@ def train(
     directory, and every rank takes part in each update.
     """
     preflight_train(config)  # a config mistake is one line here, before any model or run dir
+    return train_checked(
+        config, resume=resume, accept_config_change=accept_config_change, callbacks=callbacks
+    )
+
+
+def train_checked(
+    config: TrainConfig,
+    *,
+    resume: bool = False,
+    accept_config_change: bool = False,
+    callbacks: Sequence[StepCallback] = (),
+) -> Path:
+    """`train` of a config `preflight_train` has already checked: the CLI checks it before it
+    imports this module (torch and transformers take seconds to import), and the checks start
+    envs and MCP servers, which are not run twice."""
     check_trackers(config)
     if accept_config_change and not resume:
         raise ConfigError("accept_config_change (--accept-config-change) needs --resume")
