@@ -24,11 +24,10 @@ reward) with a backend and settings per side (`SIDES`). Peak RSS is the whole pr
 (`metrics.jsonl`) and the RSS it reached, and the persistent memory by part (weights, reference,
 optimizer state, gradients at their peak, engine incl. its KV cache).
 
-Ceilings, measured in the same run (`ceiling` child, once per round): matmul FLOP/s on the
-model's own linear shapes (forward and both backward products, fp32, and bf16 where a side runs
-in it), the memory
-bandwidth of streaming a buffer far larger than the caches, and the time torch's own kernels take
-for one decode step's matmuls at the step's batch (every weight read once, `rows` rows; the
+Ceilings, measured in the same run (`ceiling` child, once per round): matmul FLOP/s on the model's
+own linear shapes (forward and both backward products, fp32, and bf16 where a side runs in it), the
+memory bandwidth of streaming a buffer far larger than the caches, and the time torch's own kernels
+take for one decode step's matmuls at the step's batch (every weight read once, `rows` rows; the
 fastest of `F.linear`, oneDNN on reordered weights, and oneDNN with each layer's q/k/v and gate/up
 stacked into one weight). Each phase is reported against its bound:
 - update (reference + policy forward, backward): the time its matmuls take at the measured
@@ -93,7 +92,7 @@ WORKLOADS = {
 
 IN_BACKWARD = {"speed": {"optimizer_in_backward": True}, "max_grad_norm": None}
 """No whole-model gradient buffer (agent_grpo/trainer/backward_steps.py); no clipping then."""
-LEAN = {"speed": {"optimizer_in_backward": True, "recompute_mlp": True}, "max_grad_norm": None}
+LEAN = {**IN_BACKWARD, "speed": {**IN_BACKWARD["speed"], "recompute_mlp": True}}
 """Also recompute the MLPs in backward (agent_grpo/trainer/recompute.py)."""
 SIDES: dict[str, dict[str, Any]] = {
     "hf": {"backend": {"type": "hf"}},
