@@ -46,9 +46,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from load import LoadWindow
+CACHE_GIVEN = "TORCHINDUCTOR_CACHE_DIR" in os.environ
+"""Whether the caller named inductor's cache; else the run uses a fresh one (read before torch is
+imported: inductor sets the variable to its default the first time it looks)."""
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from load import LoadWindow  # noqa: E402
 
 SIDES = ("hf", "static", "compiled", "frozen")
 Step = Callable[[torch.Tensor, int], torch.Tensor]
@@ -234,8 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     from agent_grpo.rollout.backends.hf import HFBackend, sample_tokens
 
     args = parse_args(argv)
-    # inductor reads it when it first compiles
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="compiled-decode-"))
+    if not CACHE_GIVEN:  # inductor reads it each time it looks for a compiled graph
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="compiled-decode-")
     torch.set_num_threads(args.threads)
     tokenizer, model = load_tokenizer("smollm2-135m-instruct"), load_model("smollm2-135m-instruct")
     model.eval()
@@ -256,7 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     gaps: dict[str, float] = {}
     with torch.inference_mode():
         reference = model(input_ids=prompts).logits[:, -1].float()  # [B, V]
-        last = prompts[:, -1:].contiguous()  # [B, 1], laid out as the sampled ids will be
+    # [B, 1]; not an inference tensor, and laid out as the sampled ids will be: a compiled
+    # step's guards would recompile for either difference
+    last = prompts[:, -1:].contiguous()
 
     def build(side: str) -> Step:
         with torch.inference_mode():
