@@ -4,12 +4,14 @@
 
 One decode step of the embedded SmolLM2-135M-Instruct in fp32, `--rows` rows after random
 prompts of `--prompt` tokens, `--steps` steps a round (the context grows by one a step), each
-step sampling its tokens and feeding them to the next. The sides take turns within each round;
-each side's figure is its mean step over a round, the median over rounds:
+step sampling its tokens and feeding them to the next. The sides take turns within each round,
+starting one later each round; each side's figure is its mean step over a round, the median
+over rounds:
 
 - `hf`: the `hf` backend as it runs (`HFBackend.generate` with no stop token, so every row
   decodes every step): transformers' own modules, the KV cache written in place, the linear
-  layers on oneDNN's packed weights, sampling and the backend's bookkeeping.
+  layers on oneDNN's packed weights, sampling and the backend's bookkeeping, including the copy
+  of every row's KV into the prefix cache as the rows finish (in its last step).
 - `static`: the same step as one function over state allocated once per call: per layer, KV
   buffers for the whole context (`[B, H_kv, capacity, D]`) written at the step's slot, attention
   over every slot with the empty ones masked, the weights packed for oneDNN once (q/k/v and
@@ -18,26 +20,33 @@ each side's figure is its mean step over a round, the median over rounds:
 - `compiled`: `static` with its decoder layer under `torch.compile` (inductor, static shapes):
   one graph that all layers run with their own weights. The packed matmul is an opaque op in
   the graph, because inductor lowers oneDNN's linear only for weights it has frozen itself.
-- `frozen` (`--sides` to include; its compile takes about a minute here): the whole step, on
-  the model's own `nn.Linear`s, under `torch.compile` with inductor's `freezing`, which packs
-  the weights itself (inductor's CPU inference path).
+- `frozen` (`--sides` to include; its compile is slow, docs/benchmarks.md says how slow): the
+  whole step, on the model's own `nn.Linear`s, under `torch.compile` with inductor's `freezing`,
+  which turns the weights into constants and chooses their kernels itself (its CPU inference
+  path).
 
 Compile time is the first call's, twice: `first` (into an empty inductor cache: the run sets
 `TORCHINDUCTOR_CACHE_DIR` to a fresh folder unless it is set) and `again` (after
 `torch._dynamo.reset()` in the same process, which still holds what inductor loaded). A second
-run of the same job finds the cache on disk but nothing in memory: run the bench again with
-`TORCHINDUCTOR_CACHE_DIR` set to the folder the first run printed, and its `first` figure is
-that. Break-even: the compile seconds over what a step saves against `static`.
+run of the same job finds the cache on disk but nothing in memory: run the bench again with the
+same `--rows`, `--prompt` and `--steps` (the shapes are the graph's) and `TORCHINDUCTOR_CACHE_DIR`
+set to the folder the first run printed, and its `first` figure is that. Break-even: the compile
+seconds over what a step saves against `static`. The timed rounds run under
+`fail_on_recompile`: a compile inside them would stop the run, not inflate a figure.
 
-The sides compute the same function: the first step's logits of `static`, `compiled` and `frozen`
-are compared with the model's own forward on the same ids (max abs difference printed). What the
-run does not show: the backend's batches shrink as rows finish, which a static-shape step would
-either recompile for or pad back to full size.
+The sides compute the same function: the logits of the first two steps of `static`, `compiled`
+and `frozen` are compared with the model's own forward on the same ids (max abs difference
+printed); the second step reads the KV slot the first wrote, and unwritten slots hold noise, so
+a leaking mask shows. What the run does not show: the backend's batches shrink as rows finish,
+which a static-shape step would compile again for (or, by torch's default, compile a
+dynamic-shape graph for at the second shape, whose speed is not measured here) or pad back to
+full size.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
@@ -66,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=96, help="prompt tokens per row")
     p.add_argument("--steps", type=int, default=48, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every side")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads (the machine's cores)")
     p.add_argument("--sides", nargs="+", choices=SIDES, default=["hf", "static", "compiled"])
     return p.parse_args(argv)
 
@@ -89,13 +98,19 @@ class Layer:
     qkv: torch.Tensor
     """q, k and v projections stacked, packed for oneDNN."""
     out: torch.Tensor
+    """The attention's output projection, packed."""
     gate_up: torch.Tensor
+    """The MLP's gate and up projections stacked, packed."""
     down: torch.Tensor
+    """The MLP's down projection, packed."""
     norm_in: torch.Tensor
+    """The RMSNorm weight before attention."""
     norm_post: torch.Tensor
+    """The RMSNorm weight before the MLP."""
     keys: torch.Tensor
-    """`[B, H_kv, capacity, D]`."""
+    """`[B, H_kv, capacity, D]`: the prompt's keys, then a slot per step."""
     values: torch.Tensor
+    """`[B, H_kv, capacity, D]`, as `keys`."""
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -148,18 +163,39 @@ def causal_mask(rows: int, capacity: int, slot: int) -> torch.Tensor:
     return mask.expand(rows, 1, 1, capacity)
 
 
-def static_step(model: Any, prompt_kv: Any, rows: int, capacity: int, layer_fn: Any) -> Step:
+def kv_buffers(prompt_kv: Any, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, keys and values `[B, H_kv, capacity, D]` holding a prefill's cache (a
+    transformers `DynamicCache`) in front and noise after: what no step has written yet is
+    masked, and noise, unlike zeros, shows when it is not."""
+    noise = torch.Generator().manual_seed(0)
+    buffers = []
+    for layer in prompt_kv.layers:
+        pair = []
+        for filled in (layer.keys, layer.values):
+            shape = (*filled.shape[:2], capacity, filled.shape[-1])
+            buffer = torch.randn(shape, generator=noise, dtype=filled.dtype)
+            buffer[:, :, : filled.shape[2]] = filled
+            pair.append(buffer)
+        buffers.append((pair[0], pair[1]))
+    return buffers
+
+
+def static_step(
+    model: Any, prompt_kv: Any, rows: int, capacity: int, layer_fn: Callable[..., torch.Tensor]
+) -> Step:
     """The `static` step over buffers holding `prompt_kv` (a prefill's cache), with
     `layer_fn` (`decoder_layer`, or a compiled one) for each layer."""
     inner, config = model.model, model.config
-    pack = lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), rows)  # noqa: E731
+    # what `decoder_layer` computes: a Llama layer without biases, with SiLU's gated MLP
+    assert not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False)
+    assert config.hidden_act == "silu", config.hidden_act
+
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows)
+
     layers = []
-    for index, block in enumerate(inner.layers):
+    for block, buffers in zip(inner.layers, kv_buffers(prompt_kv, capacity), strict=True):
         attn, mlp = block.self_attn, block.mlp
-        keys, values = prompt_kv.layers[index].keys, prompt_kv.layers[index].values
-        buffers = [keys.new_zeros(*keys.shape[:2], capacity, keys.shape[-1]) for _ in "kv"]
-        buffers[0][:, :, : keys.shape[2]] = keys
-        buffers[1][:, :, : values.shape[2]] = values
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         layers.append(
             Layer(
@@ -191,12 +227,7 @@ def frozen_step(model: Any, prompt_kv: Any, rows: int, capacity: int) -> Step:
     """The whole step on the model's own modules, for inductor's `freezing` to compile."""
     inner, config = model.model, model.config
     heads, eps = config.num_attention_heads, config.rms_norm_eps
-    caches = []
-    for layer in prompt_kv.layers:
-        buffers = [t.new_zeros(*t.shape[:2], capacity, t.shape[-1]) for t in (layer.keys,) * 2]
-        buffers[0][:, :, : layer.keys.shape[2]] = layer.keys
-        buffers[1][:, :, : layer.values.shape[2]] = layer.values
-        caches.append(buffers)
+    caches = kv_buffers(prompt_kv, capacity)
 
     def body(ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, at: torch.Tensor,
              mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -216,7 +247,8 @@ def frozen_step(model: Any, prompt_kv: Any, rows: int, capacity: int) -> Step:
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
         return model.lm_head(F.rms_norm(x[:, -1], (hidden,), inner.norm.weight, eps)).float()
 
-    compiled = torch.compile(body)
+    # freezing for this compile only: a global setting would reach every later compile
+    compiled = torch.compile(body, options={"freezing": True})
 
     def step(ids: torch.Tensor, slot: int) -> torch.Tensor:
         positions = torch.full((rows, 1), slot, dtype=torch.long)
@@ -227,15 +259,142 @@ def frozen_step(model: Any, prompt_kv: Any, rows: int, capacity: int) -> Step:
     return step
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Time every side round after round; print per-step medians, compile times, checks."""
-    import torch._dynamo
-    import torch._inductor.config
-    from transformers import DynamicCache
+@dataclass
+class Workload:
+    """What every side decodes, and the model's own logits to check them against."""
 
-    from agent_grpo.models.loading import load_model, load_tokenizer
+    model: Any
+    prompts: torch.Tensor
+    """`[B, P]` random ids."""
+    capacity: int
+    """KV slots a row needs: the prompt and every step."""
+    references: tuple[torch.Tensor, torch.Tensor]
+    """The model's own logits `[B, V]` after the prompt, and after it and its last id again:
+    what the first two steps (both fed the prompt's last id) must give."""
+
+    @property
+    def last(self) -> torch.Tensor:
+        """The first step's ids `[B, 1]`: not an inference tensor, and laid out as the sampled
+        ids will be (a compiled step's guards would recompile for either difference)."""
+        return self.prompts[:, -1:].contiguous()
+
+    def build(self, side: str) -> Step:
+        """A fresh step of `side` over its own buffers, after a fresh prefill."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        with torch.inference_mode():
+            self.model(input_ids=self.prompts[:, :-1], past_key_values=cache, use_cache=True)
+        rows = self.prompts.shape[0]
+        if side == "static":
+            return static_step(self.model, cache, rows, self.capacity, decoder_layer)
+        if side == "compiled":
+            return static_step(self.model, cache, rows, self.capacity, compiled_layer())
+        return frozen_step(self.model, cache, rows, self.capacity)
+
+
+@functools.cache
+def compiled_layer() -> Callable[..., torch.Tensor]:
+    """`decoder_layer` under inductor (compiled at its first call); one wrapper per process, made
+    on first use so importing this module does not load the compiler."""
+    return torch.compile(decoder_layer)
+
+
+def build_and_check(
+    work: Workload, sides: list[str]
+) -> tuple[dict[str, Step], dict[str, tuple[float, float]], dict[str, float]]:
+    """Every side but `hf` built and checked; per compiled side its first and again compile
+    seconds; per side the largest logit difference from the model's own over two steps."""
+    import torch._dynamo
+
+    built: dict[str, Step] = {}
+    compile_s: dict[str, tuple[float, float]] = {}
+    gaps: dict[str, float] = {}
+    prompt_len = work.prompts.shape[1]
+    for side in [s for s in sides if s != "hf"]:
+        times = []
+        for _ in range(2 if side in ("compiled", "frozen") else 1):
+            torch._dynamo.reset()  # `again`: the same compile, nothing in dynamo's caches
+            built[side] = work.build(side)
+            started = time.perf_counter()
+            with torch.no_grad():  # inductor does not compile under inference_mode here
+                first = built[side](work.last, prompt_len - 1)
+            times.append(time.perf_counter() - started)
+        with torch.no_grad():
+            second = built[side](work.last, prompt_len)
+        if len(times) == 2:
+            compile_s[side] = (times[0], times[1])
+        pairs = zip((first, second), work.references, strict=True)
+        gaps[side] = float(max((got - want).abs().max() for got, want in pairs))
+    # A later side's reset dropped an earlier side's compiled frames: compile them again here,
+    # outside the timed rounds.
+    with torch.no_grad():
+        for step in built.values():
+            step(work.last, prompt_len - 1)
+    return built, compile_s, gaps
+
+
+def time_rounds(
+    work: Workload, built: dict[str, Step], backend: Any, sides: list[str], steps: int, rounds: int
+) -> dict[str, list[float]]:
+    """Per side, its mean seconds a step in each round; sides in turn, starting one later each
+    round."""
     from agent_grpo.rollout.backends.base import SamplingConfig
-    from agent_grpo.rollout.backends.hf import HFBackend, sample_tokens
+    from agent_grpo.rollout.backends.hf import sample_tokens
+
+    rows, prompt_len = work.prompts.shape
+    sampling = SamplingConfig(temperature=1.0, max_tokens=steps)
+    per_step: dict[str, list[float]] = {side: [] for side in sides}
+    for round_ in range(rounds):
+        for side in sides[round_ % len(sides) :] + sides[: round_ % len(sides)]:
+            if side == "hf":
+                backend.free_caches()
+                out = backend.generate(work.prompts.tolist(), sampling, list(range(rows)))
+                # `decode_s` starts after the prefill's logits: `steps` samplings, `steps - 1`
+                # forwards (the last token is never fed)
+                per_step[side].append(out[0].extra["decode_s"] / (steps - 1))
+                continue
+            generator = torch.Generator().manual_seed(0)
+            ids = work.last
+            started = time.perf_counter()
+            with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
+                for slot in range(prompt_len - 1, prompt_len - 1 + steps):
+                    uniforms = torch.rand(rows, generator=generator)
+                    tokens, _ = sample_tokens(built[side](ids, slot), sampling, uniforms)
+                    ids = tokens[:, None]
+            per_step[side].append((time.perf_counter() - started) / steps)
+    return per_step
+
+
+def report(
+    per_step: dict[str, list[float]],
+    compile_s: dict[str, tuple[float, float]],
+    gaps: dict[str, float],
+) -> None:
+    """Each side's median step, compile times and break-even, and its check."""
+    medians = {side: 1000 * statistics.median(v) for side, v in per_step.items()}
+    for side, ms in medians.items():
+        rounds = " ".join(f"{1000 * t:.1f}" for t in per_step[side])
+        line = f"{side:9s} {ms:6.1f} ms a step (rounds: {rounds})"
+        if side in gaps:
+            line += f"; logits of two steps vs the model's forward: max |diff| {gaps[side]:.2e}"
+        print(line)
+    for side, (first, again) in compile_s.items():
+        if "static" not in medians:
+            print(f"{side:9s} compile {first:.1f} s first, {again:.1f} s again")
+            continue
+        saved = medians["static"] - medians[side]
+        even = "never"
+        if saved > 0:
+            even = f"{first / saved * 1000:.0f} steps (first), {again / saved * 1000:.0f} (again)"
+        print(f"{side:9s} compile {first:.1f} s first, {again:.1f} s again; {saved:+.1f} ms a "
+              f"step against static; pays after {even}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Build and check every side, time them round after round, print the figures."""
+    from agent_grpo.models.loading import load_model, load_tokenizer
+    from agent_grpo.rollout.backends.hf import HFBackend
 
     args = parse_args(argv)
     if not CACHE_GIVEN:  # inductor reads it each time it looks for a compiled graph
@@ -243,91 +402,21 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     tokenizer, model = load_tokenizer("smollm2-135m-instruct"), load_model("smollm2-135m-instruct")
     model.eval()
-    rows, steps = args.rows, args.steps
-    capacity = args.prompt + steps
-    prompts = torch.randint(
-        1000, 40000, (rows, args.prompt), generator=torch.Generator().manual_seed(0)
-    )
-    sampling = SamplingConfig(temperature=1.0, max_tokens=steps)
-    backend = HFBackend(model, tokenizer, eos_token_ids=[])
-
-    def prefill() -> Any:
-        cache = DynamicCache()
-        model(input_ids=prompts[:, :-1], past_key_values=cache, use_cache=True)
-        return cache
-
-    compile_s: dict[str, tuple[float, float]] = {}
-    gaps: dict[str, float] = {}
+    seeded = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1000, 40000, (args.rows, args.prompt), generator=seeded)  # [B, P]
     with torch.inference_mode():
-        reference = model(input_ids=prompts).logits[:, -1].float()  # [B, V]
-    # [B, 1]; not an inference tensor, and laid out as the sampled ids will be: a compiled
-    # step's guards would recompile for either difference
-    last = prompts[:, -1:].contiguous()
-
-    def build(side: str) -> Step:
-        with torch.inference_mode():
-            cache = prefill()
-        if side == "static":
-            return static_step(model, cache, rows, capacity, decoder_layer)
-        if side == "compiled":
-            return static_step(model, cache, rows, capacity, compiled_layer)
-        torch._inductor.config.freezing = True
-        return frozen_step(model, cache, rows, capacity)
-
-    compiled_layer = torch.compile(decoder_layer)
-    built: dict[str, Step] = {}
-    for side in [s for s in args.sides if s != "hf"]:
-        times = []
-        for _ in range(2 if side in ("compiled", "frozen") else 1):
-            # compiled sides: first, then again in this process (see the module docstring)
-            torch._dynamo.reset()
-            built[side] = build(side)
-            started = time.perf_counter()
-            with torch.no_grad():  # inductor does not compile under inference_mode here
-                logits = built[side](last, args.prompt - 1)
-            times.append(time.perf_counter() - started)
-        with torch.no_grad():  # a second step: whatever a guard recompiles, it does here
-            built[side](last, args.prompt)
-        if len(times) == 2:
-            compile_s[side] = (times[0], times[1])
-        gaps[side] = float((logits - reference).abs().max())
-
-    per_step: dict[str, list[float]] = {side: [] for side in args.sides}
+        after_prompt = model(input_ids=prompts).logits[:, -1].float()  # [B, V]
+        again = torch.cat([prompts, prompts[:, -1:]], dim=1)  # [B, P + 1]
+        after_again = model(input_ids=again).logits[:, -1].float()  # [B, V]
+    work = Workload(model, prompts, args.prompt + args.steps, (after_prompt, after_again))
+    built, compile_s, gaps = build_and_check(work, args.sides)
+    backend = HFBackend(model, tokenizer, eos_token_ids=[])
     with LoadWindow() as window:
-        for _ in range(args.rounds):
-            for side in args.sides:
-                if side == "hf":
-                    backend.free_caches()
-                    out = backend.generate(prompts.tolist(), sampling, list(range(rows)))
-                    per_step[side].append(out[0].extra["decode_s"] / (steps - 1))
-                    continue
-                step = built[side]
-                generator = torch.Generator().manual_seed(0)
-                ids = last
-                started = time.perf_counter()
-                with torch.no_grad():
-                    for slot in range(args.prompt - 1, args.prompt - 1 + steps):
-                        uniforms = torch.rand(rows, generator=generator)
-                        tokens, _ = sample_tokens(step(ids, slot), sampling, uniforms)
-                        ids = tokens[:, None]
-                per_step[side].append((time.perf_counter() - started) / steps)
-    cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    print(f"{rows} rows, prompts of {args.prompt} tokens, {steps} steps, {args.rounds} rounds, "
-          f"{args.threads} threads; inductor cache {cache_dir}")  # fmt: skip
-    medians = {side: 1000 * statistics.median(v) for side, v in per_step.items()}
-    for side, ms in medians.items():
-        rounds = " ".join(f"{1000 * t:.1f}" for t in per_step[side])
-        line = f"{side:9s} {ms:6.1f} ms a step (rounds: {rounds})"
-        if side in gaps:
-            line += f"; first-step logits vs the model's forward: max |diff| {gaps[side]:.2e}"
-        print(line)
-    for side, (first, again) in compile_s.items():
-        saved = medians.get("static", float("nan")) - medians[side]
-        even = "never"
-        if saved > 0:
-            even = f"{first / saved * 1000:.0f} steps (first), {again / saved * 1000:.0f} (again)"
-        print(f"{side:9s} compile {first:.1f} s first, {again:.1f} s again; {saved:+.1f} ms a "
-              f"step against static; pays after {even}")  # fmt: skip
+        per_step = time_rounds(work, built, backend, args.sides, args.steps, args.rounds)
+    print(f"{args.rows} rows, prompts of {args.prompt} tokens, {args.steps} steps, "
+          f"{args.rounds} rounds, {args.threads} threads; "
+          f"inductor cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}")  # fmt: skip
+    report(per_step, compile_s, gaps)
     quiet = "busy" if window.busy else "quiet"
     print(f"load average {window.loadavg_before} -> {window.loadavg_after}; other processes "
           f"{window.foreign_cores:.2f} cores on average ({quiet})")  # fmt: skip
