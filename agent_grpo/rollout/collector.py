@@ -5,7 +5,9 @@ environment steps for that turn run concurrently in threads, each with a deadlin
 tool delays the batch by at most `env_step_timeout_s`. A trajectory ends on its own: final answer
 (terminated), max turns (truncated, decided by the env), max tokens in one turn (truncated,
 `max_tokens_per_turn`), the context limit (truncated, `max_context`), or a failing/hanging
-environment (`error`, the rest of the group carries on).
+environment (`error`, the rest of the group carries on). Envs start (construct and reset) at
+once too, after the first of each env id: an env whose reset starts a server (Notes-v0's MCP
+server) would otherwise start a step's servers one after another.
 
 Departures from common practice, on purpose:
 - A turn cut by `max_tokens` is not sent to the verifier as a final answer: the episode ends as
@@ -206,14 +208,58 @@ def sampling_seed(base: int, step: int, task: Task, index: int, turn: int) -> in
 
 
 def _start_episode(
-    task: Task, index: int, tokenizer: Any, env_factory: EnvFactory, step: int
+    task: Task, index: int, tokenizer: Any, started: _Started, step: int
 ) -> _Episode:
-    env = env_factory(task.env_id, **task.env_kwargs)
-    observation, info = env.reset(seed=task.seed)
+    env, observation, info = started
     prompt = [Message.model_validate(m) for m in observation]
     episode = _Episode(task, index, env, TokenBuilder(tokenizer, prompt), len(prompt), step)
     episode.state = read_state(info)
     return episode
+
+
+_Started = tuple[gymnasium.Env[Any, Any], Any, dict[str, Any]]
+"""A new env, reset: the env, its first observation and its info."""
+
+
+def _reset_all(tasks: Sequence[Task], env_factory: EnvFactory) -> list[_Started]:
+    """A new env for every task, reset with the task's seed, in task order. The first env of
+    each env id starts alone, then the others all at once, in threads: a reset may start a
+    server (Notes-v0 starts an MCP server process, most of a second each), which need not wait
+    for the others, while what an env loads once per process (a dataset behind
+    `functools.cache`) is loaded by the first alone. A failing reset closes every env started
+    and raises its error."""
+
+    def start(task: Task) -> _Started:
+        env = env_factory(task.env_id, **task.env_kwargs)
+        try:
+            observation, info = env.reset(seed=task.seed)
+        except BaseException:
+            _close_quietly(env)
+            raise
+        return env, observation, info
+
+    firsts = sorted({task.env_id: i for i, task in reversed(list(enumerate(tasks)))}.values())
+    started: dict[int, _Started] = {}
+    rest: dict[int, cf.Future[_Started]] = {}
+    try:
+        for i in firsts:
+            started[i] = start(tasks[i])
+        with cf.ThreadPoolExecutor(_RESET_THREADS, thread_name_prefix="env-reset") as pool:
+            rest = {i: pool.submit(start, t) for i, t in enumerate(tasks) if i not in started}
+        errors = [f.exception() for f in rest.values() if f.exception() is not None]
+        if errors:
+            raise errors[0]  # type: ignore[misc]
+        return [started[i] if i in started else rest[i].result() for i in range(len(tasks))]
+    except BaseException:
+        envs = [*started.values(), *(f.result() for f in rest.values() if f.exception() is None)]
+        for env, _, _ in envs:
+            _close_quietly(env)
+        raise
+
+
+_RESET_THREADS = 16
+"""Envs reset at once (`_reset_all`): enough for a step's servers to start together on a small
+machine, few enough not to start hundreds of processes at once."""
 
 
 EnvFactory = Callable[..., gymnasium.Env[Any, Any]]
@@ -561,16 +607,17 @@ class Collection:
         `group_id_of(step, first_index + i)`. A prompt too long to sample from raises
         `PromptTooLongError` and admits nothing."""
         size = self.config.group_size
-        episodes = [
-            _start_episode(task, i, self.tokenizer, self.env_factory, step)
-            for task in tasks
-            for i in range(size)
-        ]
+        members = [(task, i) for task in tasks for i in range(size)]
+        started = _reset_all([task for task, _ in members], self.env_factory)
         try:
+            episodes = [
+                _start_episode(task, i, self.tokenizer, new, step)
+                for (task, i), new in zip(members, started, strict=True)
+            ]
             _check_prompts_fit(episodes, self.config.max_context_tokens)
-        except PromptTooLongError:
-            for ep in episodes:
-                _close_quietly(ep.env)
+        except BaseException:  # a prompt too long, or one the chat template refuses
+            for env, _, _ in started:
+                _close_quietly(env)
             raise
         for t in range(len(tasks)):
             self.groups[group_id_of(step, first_index + t)] = episodes[t * size : (t + 1) * size]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import copy
+import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -194,6 +195,66 @@ def test_a_failed_env_step_is_retried_once_on_a_fresh_env(tokenizer) -> None:
     assert [r.success for r in result.records] == [True, True]
     assert result.records[0].messages == result.records[1].messages
     assert (result.metrics.env_retries, result.metrics.env_failures) == (1, 0)
+
+
+class ResetLogEnv(SlowEnv):
+    """Logs its resets; past the first, each waits at `barrier` for the others (when set); one
+    with `fail_reset` raises. Counts the instances made and closed."""
+
+    log: ClassVar[list[str]] = []
+    barrier: ClassVar[threading.Barrier | None] = None
+    made: ClassVar[int] = 0
+    closed: ClassVar[int] = 0
+
+    def __init__(self, fail_reset: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fail_reset = fail_reset
+        ResetLogEnv.made += 1
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        ResetLogEnv.log.append("start")
+        if self.fail_reset:
+            raise RuntimeError("server did not start")
+        if self.barrier is not None and len(ResetLogEnv.log) > 2:  # not the first
+            self.barrier.wait()  # broken (an error) unless the others are resetting too
+        observation = super().reset(seed=seed, options=options)
+        ResetLogEnv.log.append("end")
+        return observation
+
+    def close(self) -> None:
+        ResetLogEnv.closed += 1
+        super().close()
+
+
+RESET_LOG = f"{__name__}:ResetLogEnv"
+
+
+def test_envs_reset_together_after_the_first_of_their_id_alone(tokenizer) -> None:
+    ResetLogEnv.log, ResetLogEnv.made, ResetLogEnv.closed = [], 0, 0
+    ResetLogEnv.barrier = threading.Barrier(3, timeout=10)
+    backend = ScriptedBackend(tokenizer, ["Answer: done"])
+    config = CollectOptions.from_config(RolloutConfig(group_size=4))
+    try:
+        records = collect_groups([Task(env_id=RESET_LOG, seed=0)], backend, tokenizer, config)
+    finally:
+        ResetLogEnv.barrier = None
+    # the first reset ran alone (what it loads once is loaded once), the other three at once
+    assert ResetLogEnv.log[:2] == ["start", "end"] and ResetLogEnv.log.count("end") == 4
+    assert [r.success for r in records.records] == [True] * 4
+    assert ResetLogEnv.closed == ResetLogEnv.made == 4
+
+
+def test_a_failing_reset_closes_every_env_started_and_raises(tokenizer) -> None:
+    ResetLogEnv.log, ResetLogEnv.made, ResetLogEnv.closed = [], 0, 0
+    backend = ScriptedBackend(tokenizer, ["Answer: done"])
+    tasks = [Task(env_id=RESET_LOG, seed=0),
+             Task(env_id=RESET_LOG, seed=1, env_kwargs={"fail_reset": True}),
+             Task(env_id=RESET_LOG, seed=2)]  # fmt: skip
+    config = CollectOptions.from_config(RolloutConfig(group_size=2))
+    with pytest.raises(RuntimeError, match="server did not start"):
+        collect_groups(tasks, backend, tokenizer, config)
+    assert ResetLogEnv.made == 6 and ResetLogEnv.closed == 6  # none left running
+    assert backend.calls == []  # nothing sampled
 
 
 def test_hf_backend_same_seeds_same_trajectories(tokenizer, tiny_model) -> None:
