@@ -111,6 +111,7 @@ class DatasetEnv(ToolEnv[DatasetTask]):
         self.system_prompt = self.config.system_prompt
         server = self.config.mcp_server
         self.workspace = None if server is None else McpWorkspace(server)
+        self.concurrent_reset = server is not None  # a server of its own, started at reset
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None

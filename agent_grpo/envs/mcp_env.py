@@ -58,6 +58,7 @@ class McpToolEnv(ToolEnv[TaskT]):
 
     mcp_server: ClassVar[McpServer | None] = None
     """The server every instance uses, unless the constructor is given one."""
+    concurrent_reset = True  # each instance starts its own server in its own workdir
 
     def __init__(
         self, mcp_server: McpServer | Mapping[str, Any] | None = None, **kwargs: Any

@@ -279,6 +279,11 @@ class TextEnv(gym.Env[Messages, str], Generic[TaskT]):
     file_kwargs: ClassVar[tuple[str, ...]] = ()
     """Constructor arguments that name files (a name, a list of names, or a dict of either): in
     a config file, a relative name is also looked up beside the file (`load_config`)."""
+    concurrent_reset: bool = False
+    """Whether a rollout may construct and reset instances of this env at once, in threads (after
+    one alone): for envs whose reset waits on something of its own, such as a server starting
+    (Notes-v0's MCP server). Off by default: a reset that touches state shared across instances
+    (a generator library's globals) would no longer be a function of its seed."""
 
     def __init__(self, max_turns: int | None = None, render_mode: str | None = None) -> None:
         if render_mode is not None:

@@ -5,9 +5,9 @@ environment steps for that turn run concurrently in threads, each with a deadlin
 tool delays the batch by at most `env_step_timeout_s`. A trajectory ends on its own: final answer
 (terminated), max turns (truncated, decided by the env), max tokens in one turn (truncated,
 `max_tokens_per_turn`), the context limit (truncated, `max_context`), or a failing/hanging
-environment (`error`, the rest of the group carries on). Envs start (construct and reset) at
-once too, after the first of each env id: an env whose reset starts a server (Notes-v0's MCP
-server) would otherwise start a step's servers one after another.
+environment (`error`, the rest of the group carries on). Envs whose reset waits on a server
+of their own (`TextEnv.concurrent_reset`: Notes-v0's MCP server) also start at once, after the
+first of their kind, rather than one server after another.
 
 Departures from common practice, on purpose:
 - A turn cut by `max_tokens` is not sent to the verifier as a final answer: the episode ends as
@@ -25,6 +25,7 @@ import concurrent.futures as cf
 import contextlib
 import functools
 import hashlib
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -223,11 +224,14 @@ _Started = tuple[gymnasium.Env[Any, Any], Any, dict[str, Any]]
 
 def _reset_all(tasks: Sequence[Task], env_factory: EnvFactory) -> list[_Started]:
     """A new env for every task, reset with the task's seed, in task order. The first env of
-    each env id starts alone, then the others all at once, in threads: a reset may start a
-    server (Notes-v0 starts an MCP server process, most of a second each), which need not wait
-    for the others, while what an env loads once per process (a dataset behind
-    `functools.cache`) is loaded by the first alone. A failing reset closes every env started
-    and raises its error."""
+    each env id and kwargs starts alone, in the calling thread (what an env loads once per
+    process, a dataset behind `functools.cache`, is loaded by it); the others follow one by one,
+    or all at once in threads where that first env says `concurrent_reset` (an env whose reset
+    waits on a server of its own: Notes-v0 starts an MCP server process, most of a second each).
+    A failing reset closes every env started and raises its error."""
+
+    def key(task: Task) -> tuple[str, str]:
+        return task.env_id, json.dumps(task.env_kwargs, sort_keys=True, default=repr)
 
     def start(task: Task) -> _Started:
         env = env_factory(task.env_id, **task.env_kwargs)
@@ -238,23 +242,36 @@ def _reset_all(tasks: Sequence[Task], env_factory: EnvFactory) -> list[_Started]
             raise
         return env, observation, info
 
-    firsts = sorted({task.env_id: i for i, task in reversed(list(enumerate(tasks)))}.values())
+    firsts: dict[tuple[str, str], int] = {}
+    for i, task in enumerate(tasks):
+        firsts.setdefault(key(task), i)
     started: dict[int, _Started] = {}
     rest: dict[int, cf.Future[_Started]] = {}
     try:
-        for i in firsts:
+        for i in firsts.values():
             started[i] = start(tasks[i])
+        together = {k for k, i in firsts.items() if _concurrent_reset(started[i][0])}
+        for i, task in enumerate(tasks):
+            if i not in started and key(task) not in together:
+                started[i] = start(task)
         with cf.ThreadPoolExecutor(_RESET_THREADS, thread_name_prefix="env-reset") as pool:
-            rest = {i: pool.submit(start, t) for i, t in enumerate(tasks) if i not in started}
+            for i, task in enumerate(tasks):
+                if i not in started:
+                    rest[i] = pool.submit(start, task)
         errors = [f.exception() for f in rest.values() if f.exception() is not None]
         if errors:
             raise errors[0]  # type: ignore[misc]
         return [started[i] if i in started else rest[i].result() for i in range(len(tasks))]
     except BaseException:
-        envs = [*started.values(), *(f.result() for f in rest.values() if f.exception() is None)]
-        for env, _, _ in envs:
+        done = [f for f in rest.values() if f.done() and f.exception() is None]
+        for env, _, _ in [*started.values(), *(f.result() for f in done)]:
             _close_quietly(env)
         raise
+
+
+def _concurrent_reset(env: gymnasium.Env[Any, Any]) -> bool:
+    """Whether `env`'s kind may be reset in threads at once (`TextEnv.concurrent_reset`)."""
+    return getattr(env.unwrapped, "concurrent_reset", False) is True
 
 
 _RESET_THREADS = 16
