@@ -696,11 +696,14 @@ def collect_groups(
     collection = Collection(backend, tokenizer, config, run_id=run_id, env_factory=env_factory)
     collection.admit(tasks, step)
     total = len(tasks) * config.group_size
-    with Progress(transient=True, disable=not config.show_progress) as progress:
-        bar = progress.add_task("rollout", total=total)
-        while collection.run_turn():
-            progress.update(bar, completed=sum(ep.done for ep in collection.episodes))
-    result = collection.take(collection.finished(), step)
+    try:
+        with Progress(transient=True, disable=not config.show_progress) as progress:
+            bar = progress.add_task("rollout", total=total)
+            while collection.run_turn():
+                progress.update(bar, completed=sum(ep.done for ep in collection.episodes))
+        result = collection.take(collection.finished(), step)
+    finally:  # an error mid-rollout (`EnvStepError`, a broken chat template) or an interrupt
+        collection.close()  # stops the envs still in flight (MCP servers) now, not at exit
     finish_metrics(result, time.perf_counter() - started)
     return result
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from agent_grpo.envs.answers import text_verdict
 from agent_grpo.envs.text_env import ToolEnv, Verdict
 from agent_grpo.rollout.backends.base import SamplingConfig
-from agent_grpo.rollout.collector import CollectOptions, Task, collect_groups
+from agent_grpo.rollout.collector import CollectOptions, EnvStepError, Task, collect_groups
 from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.testing.backends import ScriptedBackend
 from agent_grpo.tools.tool import tool
@@ -280,6 +280,21 @@ def test_envs_that_did_not_ask_reset_one_after_another(tokenizer) -> None:
     records = collect_groups([task], backend, tokenizer, config).records
     assert ResetLogEnv.log == ["start", "end"] * 4  # never two at once
     assert [r.success for r in records] == [True] * 4
+
+
+def test_an_error_mid_rollout_closes_every_env(tokenizer) -> None:
+    ResetLogEnv.log, ResetLogEnv.made, ResetLogEnv.closed = [], 0, 0
+    backend = ScriptedBackend(tokenizer, ["Answer: done"])
+    tasks = [
+        Task(env_id=RESET_LOG, seed=0),
+        Task(env_id=RESET_LOG, seed=1, env_kwargs={"fail": True}),
+    ]
+    config = CollectOptions.from_config(RolloutConfig(group_size=2, stop_on_env_error=True))
+    with pytest.raises(EnvStepError, match="environment exploded"):
+        collect_groups(tasks, backend, tokenizer, config)
+    # every env in flight was closed, the failing members' fresh ones (their retry) included;
+    # the two their first failures left behind are abandoned, as a hung step's env must be
+    assert (ResetLogEnv.made, ResetLogEnv.closed) == (6, 4)
 
 
 def test_hf_backend_same_seeds_same_trajectories(tokenizer, tiny_model) -> None:
