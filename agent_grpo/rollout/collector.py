@@ -208,6 +208,10 @@ def sampling_seed(base: int, step: int, task: Task, index: int, turn: int) -> in
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
+_Started = tuple[gymnasium.Env[Any, Any], Any, dict[str, Any]]
+"""A new env, reset: the env, its first observation and its info."""
+
+
 def _start_episode(
     task: Task, index: int, tokenizer: Any, started: _Started, step: int
 ) -> _Episode:
@@ -218,8 +222,9 @@ def _start_episode(
     return episode
 
 
-_Started = tuple[gymnasium.Env[Any, Any], Any, dict[str, Any]]
-"""A new env, reset: the env, its first observation and its info."""
+_RESET_THREADS = 16
+"""Envs reset at once (`_reset_all`): enough for a step's servers to start together on a small
+machine, few enough not to start hundreds of processes at once."""
 
 
 def _reset_all(tasks: Sequence[Task], env_factory: EnvFactory) -> list[_Started]:
@@ -242,9 +247,10 @@ def _reset_all(tasks: Sequence[Task], env_factory: EnvFactory) -> list[_Started]
             raise
         return env, observation, info
 
+    keys = [key(task) for task in tasks]
     firsts: dict[tuple[str, str], int] = {}
-    for i, task in enumerate(tasks):
-        firsts.setdefault(key(task), i)
+    for i, k in enumerate(keys):
+        firsts.setdefault(k, i)
     started: dict[int, _Started] = {}
     rest: dict[int, cf.Future[_Started]] = {}
     try:
@@ -252,7 +258,7 @@ def _reset_all(tasks: Sequence[Task], env_factory: EnvFactory) -> list[_Started]
             started[i] = start(tasks[i])
         together = {k for k, i in firsts.items() if _concurrent_reset(started[i][0])}
         for i, task in enumerate(tasks):
-            if i not in started and key(task) not in together:
+            if i not in started and keys[i] not in together:
                 started[i] = start(task)
         with cf.ThreadPoolExecutor(_RESET_THREADS, thread_name_prefix="env-reset") as pool:
             for i, task in enumerate(tasks):
@@ -272,11 +278,6 @@ def _reset_all(tasks: Sequence[Task], env_factory: EnvFactory) -> list[_Started]
 def _concurrent_reset(env: gymnasium.Env[Any, Any]) -> bool:
     """Whether `env`'s kind may be reset in threads at once (`TextEnv.concurrent_reset`)."""
     return getattr(env.unwrapped, "concurrent_reset", False) is True
-
-
-_RESET_THREADS = 16
-"""Envs reset at once (`_reset_all`): enough for a step's servers to start together on a small
-machine, few enough not to start hundreds of processes at once."""
 
 
 EnvFactory = Callable[..., gymnasium.Env[Any, Any]]
