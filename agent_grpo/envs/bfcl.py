@@ -143,6 +143,8 @@ def _args_model(name: str, parameters: str) -> type[JsonSchemaArgs]:
 class BfclEnv(ToolEnv[BfclTask]):
     """A BFCL multi-turn entry: call its backends turn by turn; BFCL's checker is the reward."""
 
+    reusable = True  # reset builds a new backend session for the task
+
     default_max_turns: ClassVar[int] = 40
 
     def __init__(self, heldout_every: int = 5, **kwargs: Any) -> None:

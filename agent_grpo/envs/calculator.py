@@ -51,6 +51,8 @@ def make_expression(
 class CalculatorEnv(ToolEnv[ArithmeticTask]):
     """Compute an arithmetic expression with the calculator tool; answer `Answer: <number>`."""
 
+    reusable = True  # no state outside the base class's
+
     system_prompt = (
         "Solve the arithmetic problem. First call the calculator tool with the expression. "
         "Then reply with the result as: Answer: <number>"

@@ -112,6 +112,7 @@ class DatasetEnv(ToolEnv[DatasetTask]):
         server = self.config.mcp_server
         self.workspace = None if server is None else McpWorkspace(server)
         self.concurrent_reset = server is not None  # a server of its own, started at reset
+        self.reusable = server is None  # a user's server may keep state across episodes
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None

@@ -56,6 +56,8 @@ class LogsTask(BaseModel):
 class LogsEnv(ToolEnv[LogsTask]):
     """Read every named log with `read_log`, then answer the total error count."""
 
+    reusable = True  # no state outside the base class's
+
     system_prompt = (
         "Read each log named in the question with the read_log tool, one call per turn. "
         "Each log starts with a line `errors: N`. Then reply with the total as: Answer: <number>"

@@ -55,6 +55,8 @@ class NotesTask(BaseModel):
 class NotesEnv(McpToolEnv[NotesTask]):
     """Do what the user asks with their notes, through the notes server's tools."""
 
+    reusable = True  # `prepare` replaces every note in the server's store
+
     system_prompt = ("You keep the user's notes with the notes tools. Do what the user asks. When "
                      "finished, reply with: Answer: <the text asked for, or done>")  # fmt: skip
     mcp_server = McpServer(command=[sys.executable, "-m", "agent_grpo.tools.notes_server",

@@ -152,6 +152,8 @@ FAMILIES: dict[str, Callable[[np.random.Generator], ComputeTask]] = {
 class PythonSandboxEnv(ToolEnv[ComputeTask]):
     """Compute the answer by running Python with the `python` tool; answer `Answer: <result>`."""
 
+    reusable = True  # every call runs in a new sandbox
+
     system_prompt = (
         "Solve the problem by running Python code with the python tool; print the result. "
         "Then reply with: Answer: <result>"

@@ -53,6 +53,8 @@ def _reasoning_gym() -> Any:
 class ReasoningGymEnv(ToolEnv[ReasoningGymTask]):
     """Answer a reasoning-gym task; its own `score_answer` is the reward."""
 
+    reusable = True  # no state outside the base class's
+
     def __init__(
         self,
         task: str = "countdown",

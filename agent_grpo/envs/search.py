@@ -104,6 +104,8 @@ def _hit_id(result: str, title: str) -> str:
 class SearchEnv(ToolEnv[SearchTask]):
     """Answer a two-hop question about fictional people with the search and open tools."""
 
+    reusable = True  # the corpus and index are read-only
+
     system_prompt = (
         "Answer the question. Use search to find documents and open to read one by id. "
         "When you know the answer, reply with: Answer: <answer>"

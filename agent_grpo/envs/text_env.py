@@ -284,6 +284,13 @@ class TextEnv(gym.Env[Messages, str], Generic[TaskT]):
     one alone): for envs whose reset waits on something of its own, such as a server starting
     (Notes-v0's MCP server). Off by default: a reset that touches state shared across instances
     (a generator library's globals) would no longer be a function of its seed."""
+    reusable: bool = False
+    """Whether a rollout may reset an instance for a later episode instead of building a new one
+    (`agent_grpo/rollout/env_pool.py`): for envs whose reset starts the episode over completely,
+    server and files included, so that a used instance and a new one play the same episode
+    for a seed. Off by default: an env whose reset leaves state behind would hand the next
+    episode a wrong start with no error. The built-ins that set it are checked by
+    `tests/envs/test_reuse.py`."""
 
     def __init__(self, max_turns: int | None = None, render_mode: str | None = None) -> None:
         if render_mode is not None:

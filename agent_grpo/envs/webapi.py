@@ -69,6 +69,8 @@ def _prompt(task: InventoryTask) -> str:
 class WebApiEnv(ToolEnv[InventoryTask]):
     """Order, restock or count items through the inventory API with http_get and http_post."""
 
+    reusable = True  # reset loads the task's whole inventory into the running service
+
     system_prompt = (
         "You manage a shop through its JSON API:\n"
         "GET /items lists items (id, name, stock)\n"

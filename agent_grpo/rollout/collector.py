@@ -7,7 +7,9 @@ tool delays the batch by at most `env_step_timeout_s`. A trajectory ends on its 
 `max_tokens_per_turn`), the context limit (truncated, `max_context`), or a failing/hanging
 environment (`error`, the rest of the group carries on). Envs whose reset waits on a server
 of their own (`TextEnv.concurrent_reset`: Notes-v0's MCP server) also start at once, after the
-first of their kind, rather than one server after another.
+first of their kind, rather than one server after another. Envs come from an `EnvPool`
+(`rollout/env_pool.py`): kept across steps, it resets the `reusable` ones for later episodes
+instead of building them again.
 
 Departures from common practice, on purpose:
 - A turn cut by `max_tokens` is not sent to the verifier as a final answer: the episode ends as
@@ -22,7 +24,6 @@ Departures from common practice, on purpose:
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import functools
 import hashlib
 import json
@@ -50,6 +51,7 @@ from agent_grpo.rollout.context import (
     rewrite_for,
     summary_request,
 )
+from agent_grpo.rollout.env_pool import EnvFactory, EnvPool, close_quietly
 from agent_grpo.trajectory.invariants import check_branch_renders, check_invariants
 from agent_grpo.trajectory.record import Message, Termination, TrajectoryRecord, TurnRecord
 from agent_grpo.trajectory.tokens import ChatTemplateError
@@ -243,7 +245,7 @@ def _reset_all(tasks: Sequence[Task], env_factory: EnvFactory) -> list[_Started]
         try:
             observation, info = env.reset(seed=task.seed)
         except BaseException:
-            _close_quietly(env)
+            close_quietly(env)
             raise
         return env, observation, info
 
@@ -271,16 +273,13 @@ def _reset_all(tasks: Sequence[Task], env_factory: EnvFactory) -> list[_Started]
     except BaseException:
         done = [f for f in rest.values() if f.done() and f.exception() is None]
         for env, _, _ in [*started.values(), *(f.result() for f in done)]:
-            _close_quietly(env)
+            close_quietly(env)
         raise
 
 
 def _concurrent_reset(env: gymnasium.Env[Any, Any]) -> bool:
     """Whether `env`'s kind may be reset in threads at once (`TextEnv.concurrent_reset`)."""
     return getattr(env.unwrapped, "concurrent_reset", False) is True
-
-
-EnvFactory = Callable[..., gymnasium.Env[Any, Any]]
 
 
 class PromptTooLongError(ValueError):
@@ -612,9 +611,15 @@ class Collection:
         *,
         run_id: str = "",
         env_factory: EnvFactory = make_env,
+        envs: EnvPool | None = None,
     ) -> None:
+        """`envs`: where episodes get their envs and return them once their group is taken (a
+        pool kept across steps reuses `reusable` envs); without one, a pool of the collection's
+        own, built with `env_factory`, whose envs close with the collection."""
         self.backend, self.tokenizer, self.config = backend, tokenizer, config
-        self.run_id, self.env_factory = run_id, env_factory
+        self.run_id = run_id
+        self.envs = envs if envs is not None else EnvPool(env_factory)
+        self._own_envs = envs is None
         self.metrics = RolloutMetrics()
         """What the turns run since the last `take` cost (`take` hands them over)."""
         self.groups: dict[str, list[_Episode]] = {}
@@ -626,7 +631,7 @@ class Collection:
         `PromptTooLongError` and admits nothing."""
         size = self.config.group_size
         members = [(task, i) for task in tasks for i in range(size)]
-        started = _reset_all([task for task, _ in members], self.env_factory)
+        started = _reset_all([task for task, _ in members], self.envs)
         try:
             episodes = [
                 _start_episode(task, i, self.tokenizer, new, step)
@@ -635,7 +640,7 @@ class Collection:
             _check_prompts_fit(episodes, self.config.max_context_tokens)
         except BaseException:  # a prompt too long, or one the chat template refuses
             for env, _, _ in started:
-                _close_quietly(env)
+                close_quietly(env)
             raise
         for t in range(len(tasks)):
             self.groups[group_id_of(step, first_index + t)] = episodes[t * size : (t + 1) * size]
@@ -651,7 +656,7 @@ class Collection:
         active = [ep for ep in self.episodes if not ep.done]
         if active:
             _run_turn(active, self.backend, self.tokenizer, self.config, self.metrics,
-                      self.env_factory, version)  # fmt: skip
+                      self.envs, version)  # fmt: skip
         return bool(active)
 
     def finished(self) -> list[str]:
@@ -660,14 +665,15 @@ class Collection:
 
     def take(self, group_ids: Sequence[str], step: int) -> RolloutResult:
         """The records of these finished groups, stamped `step`, with the metrics of the turns
-        run since the last take; they leave the collection and their envs are closed."""
+        run since the last take; they leave the collection and their envs go back to the pool
+        (closed, unless their kind is reusable)."""
         records, episodes = [], []
         for group_id in group_ids:
             for ep in self.groups.pop(group_id):
                 records.append(_to_record(ep, group_id, self.config.group_size, step,
                                           self.run_id, self.config))  # fmt: skip
                 episodes.append(ep)
-                _close_quietly(ep.env)
+                self.envs.release(ep.env)
         for record, ep in zip(records, episodes, strict=True):  # cheap next to sampling
             check_invariants(record, self.tokenizer, contexts=ep.contexts)
             if self.config.check_renders:
@@ -676,10 +682,13 @@ class Collection:
         return RolloutResult(records=records, metrics=metrics)
 
     def close(self) -> None:
-        """Close every env still in flight (their episodes are dropped)."""
+        """Close every env still in flight (their episodes are dropped), and the idle envs of a
+        pool of the collection's own."""
         for ep in self.episodes:
-            _close_quietly(ep.env)
+            close_quietly(ep.env)
         self.groups.clear()
+        if self._own_envs:
+            self.envs.close()
 
 
 def collect_groups(
@@ -691,10 +700,14 @@ def collect_groups(
     step: int = 0,
     run_id: str = "",
     env_factory: EnvFactory = make_env,
+    envs: EnvPool | None = None,
 ) -> RolloutResult:
-    """Sample `config.group_size` trajectories for every task, all groups batched per turn."""
+    """Sample `config.group_size` trajectories for every task, all groups batched per turn;
+    envs from `envs` (a pool kept across calls reuses `reusable` envs) or built with
+    `env_factory` and closed at the end."""
     started = time.perf_counter()
-    collection = Collection(backend, tokenizer, config, run_id=run_id, env_factory=env_factory)
+    collection = Collection(backend, tokenizer, config, run_id=run_id, env_factory=env_factory,
+                            envs=envs)  # fmt: skip
     collection.admit(tasks, step)
     total = len(tasks) * config.group_size
     try:
@@ -721,9 +734,3 @@ def finish_metrics(result: RolloutResult, wall_time_s: float) -> None:
     metrics.truncated = sum(r.termination.kind == "truncated" for r in records)
     metrics.errors = sum(r.termination.kind == "error" for r in records)
     metrics.tokens_per_s = metrics.generated_tokens / max(metrics.wall_time_s, 1e-9)
-
-
-def _close_quietly(env: gymnasium.Env[Any, Any] | None) -> None:
-    with contextlib.suppress(Exception):  # closing a broken env must not lose the other records
-        if env is not None:
-            env.close()

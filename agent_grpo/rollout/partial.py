@@ -116,7 +116,7 @@ class PartialCollector:
         for members in groups.values():
             for ep in members:
                 if not ep.done:
-                    ep.env = replay_env(ep, self.collection.env_factory)
+                    ep.env = replay_env(ep, self.collection.envs)
         self.collection.groups = groups
 
     def close(self) -> None:

@@ -50,6 +50,7 @@ from agent_grpo.rollout.collector import (
 )
 from agent_grpo.rollout.config import BackendConfig, HFBackendConfig, RolloutConfig
 from agent_grpo.rollout.engine_weights import EngineSpec, start_engine
+from agent_grpo.rollout.env_pool import EnvPool
 from agent_grpo.rollout.partial import PartialCollector, StreamTask, TaskStream
 from agent_grpo.rollout.weight_sync import (
     GroupAddress,
@@ -142,14 +143,15 @@ class RolloutWorker:
         """Guards `received` between the `weights` group's thread and the default one."""
         self.partial: PartialCollector | None = None
         """With partial rollouts, the groups this worker keeps in flight between calls."""
+        self.envs = EnvPool()
+        """This worker's envs between episodes (`reusable` ones are reset, not built, each call)."""
 
     def collect(self, tasks: list[Task], step: int, run_id: str) -> RolloutResult:
         """`collect_groups` over these tasks, numbered from 0 (the pool renumbers groups); every
         record is tagged with this worker's policy version. An actor runs one call at a time, so
         a collection never straddles a weight update."""
-        result = collect_groups(
-            tasks, self.backend, self.tokenizer, self.collector, step=step, run_id=run_id
-        )
+        result = collect_groups(tasks, self.backend, self.tokenizer, self.collector, step=step,
+                                run_id=run_id, envs=self.envs)  # fmt: skip
         for record in result.records:
             record.policy_version = self.version
         self.backend.free_caches()  # the trainer's update, on this machine too, needs the memory
@@ -163,7 +165,8 @@ class RolloutWorker:
         others continue at the next call, on whatever weights were loaded in between. Each turn
         is tagged with this worker's policy version."""
         if self.partial is None:
-            collection = Collection(self.backend, self.tokenizer, self.collector, run_id=run_id)
+            collection = Collection(self.backend, self.tokenizer, self.collector, run_id=run_id,
+                                    envs=self.envs)  # fmt: skip
             self.partial = PartialCollector(collection)
         result = self.partial.collect(admit, want, step, self.version)
         self.backend.free_caches()
@@ -218,9 +221,10 @@ class RolloutWorker:
         return str(ray.get_runtime_context().get_node_id())
 
     def close(self) -> None:
-        """Release the backend, the weight group and any envs in flight."""
+        """Release the backend, the weight group and every env (in flight or idle)."""
         if self.partial is not None:
             self.partial.close()
+        self.envs.close()
         self.backend.close()
         self.weights.close()
         if self.receiver is not None:

@@ -40,6 +40,7 @@ from agent_grpo.rollout.backends.base import GenerationBackend
 from agent_grpo.rollout.backends.factory import rollout_limits
 from agent_grpo.rollout.collector import Collection, RolloutResult
 from agent_grpo.rollout.config import RayWorkers
+from agent_grpo.rollout.env_pool import EnvPool
 from agent_grpo.rollout.partial import PartialCollector, TaskStream
 from agent_grpo.rollout.step import collect, collector_config, score, step_tasks
 
@@ -131,11 +132,13 @@ class LocalRollouts:
         self, config: TrainConfig, backend: GenerationBackend, tokenizer: Any, stop: list[str]
     ) -> None:
         self.config, self.backend, self.tokenizer, self.stop = config, backend, tokenizer, stop
+        self.envs = EnvPool()
+        """The run's envs between episodes (`reusable` ones are reset, not built, each step)."""
         self.partial: PartialCollector | None = None
         self.stream = TaskStream(config)
         if config.rollout.partial is not None:
             collection = Collection(backend, tokenizer, collector_config(config, stop),
-                                    run_id=config.run.name)  # fmt: skip
+                                    run_id=config.run.name, envs=self.envs)  # fmt: skip
             self.partial = PartialCollector(collection)
 
     def collect(self, step: int, version: int) -> RolloutResult:
@@ -143,7 +146,8 @@ class LocalRollouts:
         to finish, each turn tagged with the version that sampled it); then the engine frees
         its caches."""
         if self.partial is None:
-            result = collect(self.config, self.backend, self.tokenizer, self.stop, step)
+            result = collect(self.config, self.backend, self.tokenizer, self.stop, step,
+                             self.envs)  # fmt: skip
             for record in result.records:
                 record.policy_version = version
         else:
@@ -182,9 +186,11 @@ class LocalRollouts:
         self.partial.restore(collector)
 
     def close(self) -> None:
-        """Close partial rollouts' environments in flight; the engine is the trainer's."""
+        """Close partial rollouts' environments in flight and the envs kept between steps; the
+        engine is the trainer's."""
         if self.partial is not None:
             self.partial.close()
+        self.envs.close()
 
 
 class RayRollouts:

@@ -23,6 +23,7 @@ from agent_grpo.envs.text_env import train_seeds
 from agent_grpo.rewards import apply_rewards, build_reward_fn
 from agent_grpo.rollout.backends.base import GenerationBackend
 from agent_grpo.rollout.collector import CollectOptions, RolloutResult, Task, collect_groups
+from agent_grpo.rollout.env_pool import EnvPool
 from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = [
@@ -79,10 +80,11 @@ def _sample(
     collector: CollectOptions,
     tasks: list[Task],
     step_id: int,
+    envs: EnvPool | None,
 ) -> RolloutResult:
     """Collect groups for `tasks`, score them with every reward source, mark exclusions."""
     result = collect_groups(tasks, backend, tokenizer, collector, step=step_id,
-                            run_id=config.run.name)  # fmt: skip
+                            run_id=config.run.name, envs=envs)  # fmt: skip
     return score(config, result)
 
 
@@ -102,17 +104,22 @@ def collector_config(config: TrainConfig, stop: list[str]) -> CollectOptions:
 
 
 def collect(
-    config: TrainConfig, backend: GenerationBackend, tokenizer: Any, stop: list[str], step: int
+    config: TrainConfig,
+    backend: GenerationBackend,
+    tokenizer: Any,
+    stop: list[str],
+    step: int,
+    envs: EnvPool | None = None,
 ) -> RolloutResult:
-    """Sample and reward this step's groups; with dynamic sampling, top up until groups carry
-    signal."""
+    """Sample and reward this step's groups, with envs from `envs` (a pool the caller keeps
+    across steps) or new ones; with dynamic sampling, top up until groups carry signal."""
     collector = collector_config(config, stop)
-    result = _sample(config, backend, tokenizer, collector, step_tasks(config, step), step)
+    result = _sample(config, backend, tokenizer, collector, step_tasks(config, step), step, envs)
     if not config.algo.dynamic_sampling:
         return result
     return top_up_live_groups(config, result, lambda round_: _sample(
         config, backend, tokenizer, collector, step_tasks(config, step, round_),
-        step * 1000 + round_,
+        step * 1000 + round_, envs,
     ))  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from agent_grpo.testing.records import minimal_record
 def test_the_local_engine_frees_its_caches_once_the_whole_collection_is_done(monkeypatch) -> None:
     events: list[str] = []
 
-    def fake_collect_groups(tasks: list[Task], *args, step: int, run_id: str) -> RolloutResult:
+    def fake_collect_groups(tasks: list[Task], *args, step: int, **kwargs) -> RolloutResult:
         events.append("round")
         records = [
             minimal_record(f"s{step}-t{t}", i, float(i) if task.seed % 2 else 0.0, group_size=2)

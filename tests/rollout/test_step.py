@@ -16,7 +16,7 @@ MEMBER_INDEX = f"{reward_rules.__name__}:member_index"
 def test_dead_groups_are_replaced_by_live_ones(monkeypatch) -> None:
     calls: list[int] = []
 
-    def fake_collect_groups(tasks: list[Task], *args, step: int, run_id: str) -> RolloutResult:
+    def fake_collect_groups(tasks: list[Task], *args, step: int, **kwargs) -> RolloutResult:
         calls.append(step)
         # odd seeds give a live group (rewards 0 and 1), even seeds a dead one (0 and 0)
         records = [
@@ -39,7 +39,7 @@ def test_dead_groups_are_replaced_by_live_ones(monkeypatch) -> None:
 
 
 def test_without_dynamic_sampling_the_batch_is_kept_as_sampled(monkeypatch) -> None:
-    def fake_collect_groups(tasks: list[Task], *args, step: int, run_id: str) -> RolloutResult:
+    def fake_collect_groups(tasks: list[Task], *args, step: int, **kwargs) -> RolloutResult:
         records = [
             minimal_record(f"t{t}", i, 0.0, group_size=2)
             for t in range(len(tasks))
@@ -57,7 +57,7 @@ def test_dynamic_sampling_keeps_groups_alive_by_an_extra_reward(monkeypatch) -> 
     # the verifier's reward is 0 for every member, the member-index rule makes each group live
     calls: list[int] = []
 
-    def verifier_zero(tasks: list[Task], *args, step: int, run_id: str) -> RolloutResult:
+    def verifier_zero(tasks: list[Task], *args, step: int, **kwargs) -> RolloutResult:
         calls.append(step)
         records = [minimal_record(f"s{step}-t{t}", i, 0.0, group_size=2)
                    for t in range(len(tasks)) for i in range(2)]  # fmt: skip
