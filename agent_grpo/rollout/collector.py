@@ -392,10 +392,14 @@ def conversation_digest(messages: Sequence[Message]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _step_env(ep: _Episode) -> tuple[Any, float, bool, bool, dict[str, Any], float]:
-    assert ep.env is not None, "an episode in flight has its env"
+def _step_env(
+    ep: _Episode, env: gymnasium.Env[Any, Any] | None = None
+) -> tuple[Any, float, bool, bool, dict[str, Any], float]:
+    """`ep`'s last action stepped on `env` (default: the episode's own)."""
+    env = ep.env if env is None else env
+    assert env is not None, "an episode in flight has its env"
     started = time.perf_counter()
-    obs, reward, terminated, truncated, info = ep.env.step(ep.builder.messages[-1].content)
+    obs, reward, terminated, truncated, info = env.step(ep.builder.messages[-1].content)
     return obs, float(reward), bool(terminated), bool(truncated), info, started
 
 
@@ -451,18 +455,30 @@ def replay_env(
     episode's actions (all, or all but the last); envs are deterministic given seed and
     actions, so it holds the same state."""
     env = env_factory(ep.task.env_id, **ep.task.env_kwargs)
-    env.reset(seed=ep.task.seed)
-    actions = [m.content for m in ep.builder.messages if m.role == "assistant"]
-    for action in actions[:-1] if skip_last else actions:
-        env.step(action)
+    try:
+        env.reset(seed=ep.task.seed)
+        actions = [m.content for m in ep.builder.messages if m.role == "assistant"]
+        for action in actions[:-1] if skip_last else actions:
+            env.step(action)
+    except BaseException:
+        close_quietly(env)
+        raise
     return env
 
 
-def _on_fresh_env(ep: _Episode, env_factory: EnvFactory) -> Any:
-    """This turn's step again on a new env instance (`replay_env` up to this turn's action)."""
-    # the failed env may still be stuck in its thread: it is never used again
-    ep.env = replay_env(ep, env_factory, skip_last=True)
-    return _step_env(ep)
+_Stepped = tuple[Any, float, bool, bool, dict[str, Any], float]
+
+
+def _on_fresh_env(ep: _Episode, envs: EnvPool) -> tuple[gymnasium.Env[Any, Any], _Stepped]:
+    """This turn's step again on an env that has not failed (`replay_env` up to this turn's
+    action): that env and the step's result. The caller makes it the episode's only once it
+    returns, never from this thread: a step that hangs leaves its env here, unused."""
+    env = replay_env(ep, envs, skip_last=True)
+    try:
+        return env, _step_env(ep, env)
+    except BaseException:
+        envs.discard(env)
+        raise
 
 
 class EnvStepError(RuntimeError):
@@ -472,20 +488,30 @@ class EnvStepError(RuntimeError):
 def _step_all(
     stepping: list[_Episode],
     timeout_s: float,
-    env_factory: EnvFactory,
+    envs: EnvPool,
     metrics: RolloutMetrics,
     stop_on_error: bool = False,
 ) -> None:
     """Step every episode concurrently, each with `timeout_s` from the start of the turn. A step
     that raises or hangs is retried once, on a fresh env (`_on_fresh_env`), so one flaky env
-    call does not cost the group a member; failing again ends the episode as an error."""
+    call does not cost the group a member; failing again ends the episode as an error (and
+    without an env). An env whose step failed is discarded, never given to a later episode:
+    a hung step may still be running in its thread."""
     results = _run_concurrently([functools.partial(_step_env, ep) for ep in stepping], timeout_s)
     failed = [ep for ep, r in zip(stepping, results, strict=True) if isinstance(r, Termination)]
     metrics.env_retries += len(failed)
+    for ep in failed:
+        envs.discard(ep.env)
+        ep.env = None
     retried = _run_concurrently(
-        [functools.partial(_on_fresh_env, ep, env_factory) for ep in failed], timeout_s
+        [functools.partial(_on_fresh_env, ep, envs) for ep in failed], timeout_s
     )
-    again = dict(zip(map(id, failed), retried, strict=True))
+    again: dict[int, Any] = {}
+    for ep, outcome in zip(failed, retried, strict=True):
+        if isinstance(outcome, Termination):
+            again[id(ep)] = outcome
+        else:
+            ep.env, again[id(ep)] = outcome
     for ep, result in zip(stepping, results, strict=True):
         result = again.get(id(ep), result)
         if isinstance(result, Termination):
@@ -558,7 +584,7 @@ def _run_turn(
     tokenizer: Any,
     config: CollectOptions,
     metrics: RolloutMetrics,
-    env_factory: EnvFactory,
+    envs: EnvPool,
     version: int | None,
 ) -> None:
     """One turn of every episode in `active`: one backend call, then every env step at once;
@@ -579,7 +605,7 @@ def _run_turn(
         if not _end_turn(ep, gen, cut):
             stepping.append(ep)
     started = time.perf_counter()
-    _step_all(stepping, config.env_step_timeout_s, env_factory, metrics,
+    _step_all(stepping, config.env_step_timeout_s, envs, metrics,
               config.stop_on_env_error)  # fmt: skip
     metrics.env_time_s += time.perf_counter() - started
     for ep in stepping:

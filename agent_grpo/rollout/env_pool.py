@@ -83,6 +83,15 @@ class EnvPool:
                 return
         close_quietly(env)
 
+    def discard(self, env: gymnasium.Env[Any, Any] | None) -> None:
+        """Never hand `env` out again (its step failed or hangs), and close it in a thread of
+        its own: a hung step may hold what its `close` waits for."""
+        if env is None:
+            return
+        with self._lock:
+            self._handed.pop(id(env), None)
+        threading.Thread(target=close_quietly, args=(env,), daemon=True).start()
+
     def close(self) -> None:
         """Close every idle env; the pool can be used again after."""
         with self._lock:

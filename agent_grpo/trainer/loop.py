@@ -27,6 +27,7 @@ Where we depart from the papers, and why:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -285,7 +286,12 @@ def train_checked(
         start = set_up(config, resume, ctx, progress)
         if start.run is not None:
             record_changes(start.run.path, start.state.step, changes)
-        _loop(config, start, max_tokens, progress, callbacks)
+        try:
+            _loop(config, start, max_tokens, progress, callbacks)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the run's own error is the one to report
+                _close_rollouts(start)  # envs kept between steps (MCP servers) stop now
+            raise
         _finish(config, start, progress)
     # Rank 0's directory on every rank: it may have taken a fresh name (`setup.open_run`).
     path = broadcast_object(start.run.path if start.run is not None else None, ctx)
@@ -340,8 +346,10 @@ def _loop(
 
 
 def _finish(config: TrainConfig, start: RunStart, progress: RunProgress) -> None:
-    """The final evaluation and the before/after table (rank 0), then the engines close."""
+    """The rollouts close (their envs before the evaluation's start), then the final
+    evaluation and the before/after table (rank 0), then the engine closes."""
     run, trainer, state = start.run, start.trainer, start.state
+    _close_rollouts(start)
     if run is not None and trainer.backend is not None:
         progress.phase("final eval")
         final = run_eval(config, trainer.backend, trainer.tokenizer, trainer.stop, "final")
@@ -349,7 +357,12 @@ def _finish(config: TrainConfig, start: RunStart, progress: RunProgress) -> None
             run.write_metrics(config.steps, final.row() | {AFTER_STEPS: config.steps})
         progress.close()  # the table goes below, not under a live display
         print_summary(state.eval_before, state.eval_warm_start, final)
-    if trainer.rollouts is not None:
-        trainer.rollouts.close()
     if trainer.backend is not None:
         trainer.backend.close()
+
+
+def _close_rollouts(start: RunStart) -> None:
+    """Close the rollouts (their envs, Ray actors) once; closing them again does nothing."""
+    rollouts, start.trainer.rollouts = start.trainer.rollouts, None
+    if rollouts is not None:
+        rollouts.close()

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, ClassVar
 
 import gymnasium as gym
+import numpy as np
+import pytest
+from pydantic import BaseModel
 
+from agent_grpo.envs.answers import text_verdict
 from agent_grpo.envs.registry import make_env
+from agent_grpo.envs.text_env import TextEnv, Verdict
 from agent_grpo.rollout.backends.base import SamplingConfig
 from agent_grpo.rollout.collector import CollectOptions, Task, collect_groups
 from agent_grpo.rollout.config import RolloutConfig
@@ -87,4 +93,52 @@ def test_a_pool_kept_across_steps_builds_envs_once_and_changes_no_record(tokeniz
         fresh += collect_groups(tasks, backend, tokenizer, config, step=step).records
         assert len(factory.built) == 6 and pool.idle == 6  # the first step's six, every step
     assert [_episode(r) for r in pooled] == [_episode(r) for r in fresh]
+    pool.close()
+
+
+class _Stuck(BaseModel):
+    """Nothing to ask."""
+
+
+class StuckEnv(TextEnv[_Stuck]):
+    """A reusable env whose step hangs (`hang`) or raises (`fail`), every time."""
+
+    reusable = True
+
+    def __init__(self, hang: bool = False, fail: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.hang, self.fail = hang, fail
+
+    def generate_task(self, rng: np.random.Generator) -> _Stuck:
+        return _Stuck()
+
+    def user_prompt(self, task: _Stuck) -> str:
+        return "Go."
+
+    def verify(self, task: _Stuck, answer: str) -> Verdict:
+        return text_verdict(answer, "done")
+
+    def step(self, action: str) -> Any:
+        if self.hang:
+            time.sleep(2.0)
+        if self.fail:
+            raise RuntimeError("the env broke")
+        return super().step(action)
+
+
+@pytest.mark.parametrize("kwargs", [{"hang": True}, {"fail": True}])
+def test_an_env_whose_step_failed_is_never_handed_out_again(tokenizer, kwargs) -> None:
+    """A hung step may still run in its thread: its env, and the retry's, must not reach a
+    later episode (which it would then step into), nor the pool's idle envs."""
+    factory = Counting()
+    pool = EnvPool(factory)
+    env_id = f"{__name__}:StuckEnv"
+    config = CollectOptions.from_config(RolloutConfig(group_size=2, env_step_timeout_s=0.3))
+    backend = ScriptedBackend(tokenizer, ["Answer: done"])
+    records = collect_groups([Task(env_id=env_id, seed=0, env_kwargs=kwargs)], backend, tokenizer,
+                             config, envs=pool).records  # fmt: skip
+    assert [r.termination.kind for r in records] == ["error", "error"]
+    assert len(factory.built) == 4 and pool.idle == 0  # each member's env, then its retry's
+    failed = {id(env) for env in factory.built}
+    assert not {id(pool(env_id, **kwargs)) for _ in range(2)} & failed
     pool.close()

@@ -167,3 +167,28 @@ def test_a_held_out_evaluation_joins_its_steps_row_of_metrics(tmp_path, tiny_mod
     assert found == [("base", 0), ("in training", 1), ("in training", 2), ("final", 3)]
     final = load_run(run).final_eval()
     assert final is not None and final["after_steps"] == 3 and final["step"] == 3
+
+
+def test_a_run_that_fails_closes_its_rollouts_and_the_envs_they_keep(
+    tmp_path, tiny_model_dir, monkeypatch
+) -> None:
+    """Envs kept between steps (an MCP server each, for some) stop when the run fails, not at
+    interpreter exit; the run's own error is the one raised."""
+    from agent_grpo.rollout.sources import LocalRollouts
+
+    collect, closed = LocalRollouts.collect, []
+
+    def failing_collect(self: LocalRollouts, step: int, version: int):
+        if step == 1:
+            raise RuntimeError("the engine went away")
+        return collect(self, step, version)
+
+    def close(self: LocalRollouts) -> None:
+        closed.append(self.envs.idle)  # step 0's envs, kept for step 1
+        self.envs.close()
+
+    monkeypatch.setattr(LocalRollouts, "collect", failing_collect)
+    monkeypatch.setattr(LocalRollouts, "close", close)
+    with pytest.raises(RuntimeError, match="the engine went away"):
+        tiny_train(tmp_path, tiny_model_dir, "steps=3")
+    assert len(closed) == 1 and closed[0] > 0
