@@ -26,7 +26,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import hashlib
-import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,7 +50,7 @@ from agent_grpo.rollout.context import (
     rewrite_for,
     summary_request,
 )
-from agent_grpo.rollout.env_pool import EnvFactory, EnvPool, close_quietly
+from agent_grpo.rollout.env_pool import EnvFactory, EnvKey, EnvPool, close_quietly, env_key
 from agent_grpo.trajectory.invariants import check_branch_renders, check_invariants
 from agent_grpo.trajectory.record import Message, Termination, TrajectoryRecord, TurnRecord
 from agent_grpo.trajectory.tokens import ChatTemplateError
@@ -237,9 +236,6 @@ def _reset_all(tasks: Sequence[Task], env_factory: EnvFactory) -> list[_Started]
     waits on a server of its own: Notes-v0 starts an MCP server process, most of a second each).
     A failing reset closes every env started and raises its error."""
 
-    def key(task: Task) -> tuple[str, str]:
-        return task.env_id, json.dumps(task.env_kwargs, sort_keys=True, default=repr)
-
     def start(task: Task) -> _Started:
         env = env_factory(task.env_id, **task.env_kwargs)
         try:
@@ -249,8 +245,8 @@ def _reset_all(tasks: Sequence[Task], env_factory: EnvFactory) -> list[_Started]
             raise
         return env, observation, info
 
-    keys = [key(task) for task in tasks]
-    firsts: dict[tuple[str, str], int] = {}
+    keys = [env_key(task.env_id, task.env_kwargs) for task in tasks]
+    firsts: dict[EnvKey, int] = {}
     for i, k in enumerate(keys):
         firsts.setdefault(k, i)
     started: dict[int, _Started] = {}
@@ -392,9 +388,11 @@ def conversation_digest(messages: Sequence[Message]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _step_env(
-    ep: _Episode, env: gymnasium.Env[Any, Any] | None = None
-) -> tuple[Any, float, bool, bool, dict[str, Any], float]:
+_Stepped = tuple[Any, float, bool, bool, dict[str, Any], float]
+"""An env step's observation, reward, terminated, truncated and info, and when it started."""
+
+
+def _step_env(ep: _Episode, env: gymnasium.Env[Any, Any] | None = None) -> _Stepped:
     """`ep`'s last action stepped on `env` (default: the episode's own)."""
     env = ep.env if env is None else env
     assert env is not None, "an episode in flight has its env"
@@ -403,7 +401,7 @@ def _step_env(
     return obs, float(reward), bool(terminated), bool(truncated), info, started
 
 
-def _apply_step(ep: _Episode, result: tuple[Any, float, bool, bool, dict[str, Any], float]) -> None:
+def _apply_step(ep: _Episode, result: _Stepped) -> None:
     obs, reward, terminated, truncated, info, started = result
     turn = ep.turns[-1]
     turn.env_latency_s = time.perf_counter() - started
@@ -464,9 +462,6 @@ def replay_env(
         close_quietly(env)
         raise
     return env
-
-
-_Stepped = tuple[Any, float, bool, bool, dict[str, Any], float]
 
 
 def _on_fresh_env(ep: _Episode, envs: EnvPool) -> tuple[gymnasium.Env[Any, Any], _Stepped]:

@@ -28,12 +28,13 @@ import gymnasium
 
 from agent_grpo.envs.registry import make_env
 
-__all__ = ["EnvFactory", "EnvPool", "is_reusable"]
+__all__ = ["EnvFactory", "EnvKey", "EnvPool", "env_key", "is_reusable"]
 
 EnvFactory = Callable[..., gymnasium.Env[Any, Any]]
 """Builds an env from an env id (or `package.module:Class` path) and its kwargs (`make_env`)."""
 
-_Key = tuple[str, str]
+EnvKey = tuple[str, str]
+"""An env id and its kwargs as canonical JSON: envs of one key are interchangeable."""
 
 
 class EnvPool:
@@ -46,13 +47,13 @@ class EnvPool:
         self.factory = factory
         self.built = 0
         """Envs built so far (the rest of those handed out were reused)."""
-        self._idle: dict[_Key, list[gymnasium.Env[Any, Any]]] = {}
-        self._handed: dict[int, _Key] = {}  # id(env) -> its key, while an episode holds it
+        self._idle: dict[EnvKey, list[gymnasium.Env[Any, Any]]] = {}
+        self._handed: dict[int, EnvKey] = {}  # id(env) -> its key, while an episode holds it
         self._lock = threading.Lock()
 
     def __call__(self, env_id: str, **kwargs: Any) -> gymnasium.Env[Any, Any]:
         """An idle env of `env_id` and `kwargs`, or a new one; the caller resets it."""
-        key = _key(env_id, kwargs)
+        key = env_key(env_id, kwargs)
         with self._lock:
             idle = self._idle.get(key)
             env = idle.pop() if idle else None
@@ -113,5 +114,7 @@ def close_quietly(env: gymnasium.Env[Any, Any] | None) -> None:
             env.close()
 
 
-def _key(env_id: str, kwargs: dict[str, Any]) -> _Key:
+def env_key(env_id: str, kwargs: dict[str, Any]) -> EnvKey:
+    """The key envs built from `env_id` and `kwargs` are kept under (kwargs no JSON type can
+    hold are keyed by their `repr`)."""
     return env_id, json.dumps(kwargs, sort_keys=True, default=repr)
