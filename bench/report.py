@@ -289,8 +289,12 @@ def train_section(r: Result) -> str:
         f32, b16 = ceiling["fp32"], ceiling.get("bf16")  # bf16: where a side ran in it
         bf16 = (f", bf16 {b16['layers forward'] / 1e9:.0f} / {b16['layers backward'] / 1e9:.0f}"
                 if b16 else "")  # fmt: skip
+        rounds = len(res.get("ceiling_runs", []))
+        which = (f"the best each rate reached in the run's {rounds} ceiling rounds" if rounds
+                 else "one round's figures, the round with the most bandwidth")  # fmt: skip
         out += [
-            "Against the limit. Measured in the same run: matmul FLOP/s on the model's own "
+            f"Against the limit. Measured in the same run ({which}): matmul FLOP/s on the "
+            "model's own "
             f"linear shapes ({ceiling['tokens']} rows) forward / backward: fp32 "
             f"{f32['layers forward'] / 1e9:.0f} / {f32['layers backward'] / 1e9:.0f} GFLOP/s"
             f"{bf16}; "

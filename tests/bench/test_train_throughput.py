@@ -72,3 +72,21 @@ def test_every_side_of_ours_is_a_valid_train_config() -> None:
         config = TrainConfig.model_validate(train_throughput.our_config(args, side, "/tmp/x"))
         if "lean" in side:
             assert config.algo.speed.recompute_mlp and config.algo.speed.optimizer_in_backward
+
+
+def test_the_ceiling_is_the_best_each_rate_reached_in_any_round() -> None:
+    """Two rounds, each faster at something: the ceiling takes the higher FLOP/s and bandwidth
+    and the shorter decode matmul of each, not one round's figures."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from train_throughput import best_ceiling
+
+    def round_(forward: float, backward: float, bandwidth: float, onednn: float) -> dict:
+        kernels = {"fp32": {"F.linear": 0.05, "oneDNN": onednn}}
+        rates = {"layers forward": forward, "layers backward": backward}
+        return {"ok": True, "tokens": 876, "params": 7, "fp32": rates,
+                "bandwidth_gb_s": bandwidth, "decode_matmul_by_kernel": kernels}  # fmt: skip
+
+    best = best_ceiling([round_(115e9, 190e9, 70.0, 0.03), round_(190e9, 110e9, 40.0, 0.02)])
+    assert best["fp32"] == {"layers forward": 190e9, "layers backward": 190e9}
+    assert best["bandwidth_gb_s"] == 70.0 and best["tokens"] == 876 and best["params"] == 7
+    assert best["decode_matmul_by_kernel"] == {"fp32": {"F.linear": 0.05, "oneDNN": 0.02}}
