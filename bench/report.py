@@ -294,8 +294,7 @@ def train_section(r: Result) -> str:
                  else "one round's figures, the round with the most bandwidth")  # fmt: skip
         out += [
             f"Against the limit. Measured in the same run ({which}): matmul FLOP/s on the "
-            "model's own "
-            f"linear shapes ({ceiling['tokens']} rows) forward / backward: fp32 "
+            f"model's own linear shapes ({ceiling['tokens']} rows) forward / backward: fp32 "
             f"{f32['layers forward'] / 1e9:.0f} / {f32['layers backward'] / 1e9:.0f} GFLOP/s"
             f"{bf16}; "
             f"memory bandwidth {ceiling['bandwidth_gb_s']:.1f} GB/s (reading a 1 GiB buffer). "

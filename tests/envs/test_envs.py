@@ -40,6 +40,7 @@ from agent_grpo.envs.text_env import (
     split_of,
 )
 from agent_grpo.envs.webapi import WebApiEnv
+from agent_grpo.testing.waiting import wait_until
 from agent_grpo.tools.calculator import CalculatorError, evaluate
 from agent_grpo.tools.search import BM25Index, Document
 from agent_grpo.tools.tool import tool
@@ -346,10 +347,8 @@ def test_webapi_server_starts_lazily_and_close_leaks_nothing() -> None:
     run_expert(env, 3)
     env.close()
     env.close()  # idempotent
-    deadline = time.time() + 5  # abandoned tool threads finish their (short) requests
-    while _threads() - before and time.time() < deadline:
-        time.sleep(0.01)
-    assert not _threads() - before
+    # abandoned tool threads finish their (short) requests
+    assert wait_until(lambda: not _threads() - before, 5)
     host, port = url.removeprefix("http://").split(":")
     with pytest.raises(OSError), socket.create_connection((host, int(port)), timeout=1):
         pass

@@ -17,6 +17,7 @@ from agent_grpo.rollout.backends.base import SamplingConfig
 from agent_grpo.rollout.collector import CollectOptions, EnvStepError, Task, collect_groups
 from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.testing.backends import ScriptedBackend
+from agent_grpo.testing.waiting import wait_until
 from agent_grpo.tools.tool import tool
 from agent_grpo.trajectory.invariants import check_invariants
 from agent_grpo.trajectory.record import Provenance
@@ -295,9 +296,7 @@ def test_an_error_mid_rollout_closes_every_env(tokenizer) -> None:
     # every env was closed: the two in flight at once, and the four whose step raised (each
     # failing member's first env and its retry's) in threads of their own, as a hung step's
     # env must be (its close may wait on the step)
-    deadline = time.perf_counter() + 5.0
-    while ResetLogEnv.closed < 6 and time.perf_counter() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: ResetLogEnv.closed >= 6, 5.0)
     assert (ResetLogEnv.made, ResetLogEnv.closed) == (6, 6)
 
 

@@ -34,6 +34,7 @@ from agent_grpo.envs.mcp_env import with_workdir
 from agent_grpo.envs.notes import NotesEnv, NotesTask
 from agent_grpo.envs.text_env import heldout_seeds, read_step_info, run_expert
 from agent_grpo.testing.reward_rules import reward_override
+from agent_grpo.testing.waiting import wait_until
 from agent_grpo.tools.formats import parse_tool_calls
 from agent_grpo.tools.mcp_client import (
     STDERR_TAIL_BYTES,
@@ -71,16 +72,6 @@ def children() -> set[int]:
         if int(fields[1]) == os.getpid() and fields[0] != "Z":
             found.add(int(stat_file.parent.name))
     return found
-
-
-def wait_until(condition: object, timeout_s: float) -> bool:
-    """Poll `condition()` until it is true or `timeout_s` passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # --- Arguments and results, without a server ----------------------------------------------------
