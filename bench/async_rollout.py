@@ -2,22 +2,24 @@
 
     .venv/bin/python bench/async_rollout.py [--quick] [--backend vllm|hf] [--steps 10]
 
-One job, six ways: 2 Ray rollout workers (each a vLLM engine, or the `hf` engine with
-`--backend hf`), `algo.max_staleness` k = 0 (synchronous), 1 and 2, each with partial rollouts
-off and on (`rollout.partial={over_sample: 4}`). The workload is long-tailed and tool-bound
-(`agent_grpo.testing.envs.LongTailEnv`): one task in 4 takes 6 turns, the others 1 or 2, and
-every turn but the last waits `--latency` seconds for a tool reply. The model is the tiny test
-Llama (head dim 32, which vLLM's CPU attention runs), so what the modes can hide is the tool
-latency and the update, not sampling. Reported per mode: trained tokens per second over the
-steps after the first (start-up excluded), the trainer's idle fraction (time waiting for
-rollouts over step time), and the staleness of the trained tokens. The issue's goal: partial
-rollouts at least 1.3x the trained tokens/s of non-partial async at the same k.
+One job, eight ways: 2 Ray rollout workers (each a vLLM engine, or the `hf` engine with `--backend
+hf`), `algo.max_staleness` k = 0 (synchronous), 1 and 2, each with partial rollouts off and on
+(`rollout.partial={over_sample: 4}`), and at k = 1 and 2 with actors that keep sampling while the
+trainer updates (`keep_sampling: true` beside `over_sample`). The workload is long-tailed and
+tool-bound (`agent_grpo.testing.envs.LongTailEnv`): one task in 4 takes 6 turns, the others 1 or 2,
+and every turn but the last waits `--latency` seconds for a tool reply. The model is the tiny test
+Llama (head dim 32, which vLLM's CPU attention runs), so what the modes can hide is the tool latency
+and the update, not sampling. Reported per mode: trained tokens per second over the steps after the
+first (start-up excluded), the trainer's idle fraction (time waiting for rollouts over step time),
+and the staleness of the trained tokens. The issue's goal: partial rollouts at least 1.3x the
+trained tokens/s of non-partial async at the same k.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -30,12 +32,15 @@ from record import add_common_flags, bench_run, print_table, set_threads
 
 from agent_grpo.testing.reward_rules import reward_override
 
-MODES = [(k, partial) for k in (0, 1, 2) for partial in (False, True)]
+PARTIAL = ("", "partial", "keep")
+"""Partial rollouts off, on (turns run inside each step's call), and on with actors that keep
+sampling between calls (`rollout.partial.keep_sampling`, which needs k >= 1)."""
+MODES = [(k, partial) for k in (0, 1, 2) for partial in PARTIAL if k or partial != "keep"]
 
 
-def mode_name(k: int, partial: bool) -> str:
-    """`k1` or `k1-partial`."""
-    return f"k{k}" + ("-partial" if partial else "")
+def mode_name(k: int, partial: str) -> str:
+    """`k1`, `k1-partial` or `k1-keep`."""
+    return f"k{k}" + (f"-{partial}" if partial else "")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,13 +52,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latency", type=float, default=0.5, help="seconds per tool call")
     p.add_argument("--epochs", type=int, default=2, help="update passes (its cost vs rollout)")
     p.add_argument("--over-sample", type=int, default=4, help="partial: groups beyond a step's")
+    p.add_argument("--modes", nargs="*", help="only these modes (k0, k1-partial, k2-keep, ...)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps = 3
     return args
 
 
-def run_mode(root: Path, model_dir: str, k: int, partial: bool,
+def run_mode(root: Path, model_dir: str, k: int, partial: str,
              args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
     """Train `args.steps` steps in one mode; the figures of steps 1..N."""
     from agent_grpo.config.base import load_config
@@ -74,7 +80,9 @@ def run_mode(root: Path, model_dir: str, k: int, partial: bool,
     if args.backend == "vllm":  # no CUDA graphs on CPU
         overrides.append("rollout.backend.engine_kwargs={enforce_eager: true}")
     if partial:
-        overrides.append(f"rollout.partial={{over_sample: {args.over_sample}}}")
+        keep = "true" if partial == "keep" else "false"
+        over = args.over_sample
+        overrides.append(f"rollout.partial={{over_sample: {over}, keep_sampling: {keep}}}")
     if k:
         overrides.append("algo.tis_cap=2.0")  # as an async user would run it
     config_path = Path(__file__).resolve().parent.parent / "configs/calculator-tiny.yaml"
@@ -121,12 +129,14 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = Path(tmp) / "tiny-llama"
             save_tiny_llama(model_dir, load_tokenizer(DEFAULT_MODEL))
             for k, partial in MODES:
+                if args.modes and mode_name(k, partial) not in args.modes:
+                    continue
                 results[mode_name(k, partial)] = run_mode(Path(tmp), str(model_dir), k, partial,
                                                           args)  # fmt: skip
-            base = results["k0"]["trained_tokens_per_s"]
+            base = results.get("k0", {}).get("trained_tokens_per_s", math.nan)
             for name, r in results.items():
                 r["speedup"] = r["trained_tokens_per_s"] / base
-                plain = results[name.removesuffix("-partial")]["trained_tokens_per_s"]
+                plain = results.get(name.split("-")[0], {}).get("trained_tokens_per_s", math.nan)
                 r["x_same_k"] = r["trained_tokens_per_s"] / plain
                 hist = json.dumps(r["staleness"])
                 rows.append([name, r["trained_tokens_per_s"], r["speedup"], r["x_same_k"],

@@ -398,7 +398,8 @@ def async_section(r: Result) -> str:
         f"first excluded), long-tailed episodes (one task in 4 takes 6 turns, the others 1 or 2) "
         f"with a {s['latency']} s tool call before every turn but the last, {s['epochs']} update "
         "epochs; `kK` is `algo.max_staleness` K, `-partial` adds "
-        f"`rollout.partial={{over_sample: {s['over_sample']}}}`. \"x same k\" is a mode's "
+        f"`rollout.partial={{over_sample: {s['over_sample']}}}` and `-keep` the same with "
+        "`keep_sampling: true` (actors sample while the trainer updates). \"x same k\" is a mode's "
         "trained tokens/s over the same k without partial rollouts (the issue's goal: 1.3).",
         md_table(["mode", "trained tokens/s", "x sync", "x same k", "trainer idle", "s/step",
                   "stale-masked tokens", "staleness histogram"], rows),

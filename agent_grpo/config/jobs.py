@@ -303,6 +303,18 @@ class TrainConfig(ConfigModel):
             )
         if partial and self.algo.dynamic_sampling:
             raise ValueError("rollout.partial with algo.dynamic_sampling is not built")
+        keep_sampling = self.rollout.partial is not None and self.rollout.partial.keep_sampling
+        if keep_sampling and not ray:
+            raise ValueError(
+                "rollout.partial.keep_sampling needs Ray rollout workers "
+                "(rollout.workers={type: ray}): the trainer's own engine cannot sample while it "
+                "trains"
+            )
+        if keep_sampling and self.algo.max_staleness < 1:
+            raise ValueError(
+                "rollout.partial.keep_sampling needs algo.max_staleness >= 1: at 0, every turn "
+                "sampled during an update would be too old to train"
+            )
         workers = self.rollout.workers
         if (
             partial

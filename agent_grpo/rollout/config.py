@@ -155,6 +155,13 @@ class PartialConfig(ConfigModel):
     over_sample: int = Field(default=2, ge=1)
     """Groups kept in flight beyond `tasks_per_step`: each step trains the first
     `tasks_per_step` to finish, oldest first; the slowest carry on into later steps."""
+    keep_sampling: bool = False
+    """Ray workers keep sampling while the trainer updates and load each push between two
+    turns as it arrives (agent_grpo/rollout/streaming.py), instead of running turns only inside
+    a step's call, behind the pushes queued before it. Fewer carried turns pass
+    `algo.max_staleness` and the engines never idle; but which version samples a turn then
+    depends on timing, so two runs of one config differ. Needs `rollout.workers: {type: ray}`
+    and `algo.max_staleness` >= 1."""
 
 
 class CanaryConfig(ConfigModel):

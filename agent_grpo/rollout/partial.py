@@ -12,6 +12,10 @@ Tasks come from one stream (`TaskStream`), step 0's tasks then step 1's and so o
 pure function of the seed): a group keeps the id and the sampling seeds of the step whose tasks
 it came from (`s{step}-t{i}`), and its records carry the step that trained them.
 
+Here a worker runs turns only inside a step's call. On Ray workers `keep_sampling` runs them on
+a loop of the worker's own instead, between calls too, loading each push between two turns as it
+arrives (`agent_grpo/rollout/streaming.py`).
+
 Where we depart from peers: AReaL and verl's fully asynchronous mode can interrupt a generation
 mid-turn; here weights change only between turns (one turn is one backend call for every episode
 in flight), so each turn is one policy's sample. Kimi k1.5 cuts long generations at a token

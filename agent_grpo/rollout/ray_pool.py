@@ -52,6 +52,7 @@ from agent_grpo.rollout.config import BackendConfig, HFBackendConfig, RolloutCon
 from agent_grpo.rollout.engine_weights import EngineSpec, start_engine
 from agent_grpo.rollout.env_pool import EnvPool
 from agent_grpo.rollout.partial import PartialCollector, StreamTask, TaskStream
+from agent_grpo.rollout.streaming import SamplingLoop
 from agent_grpo.rollout.weight_sync import (
     GroupAddress,
     TensorSpec,
@@ -129,7 +130,11 @@ class RolloutWorker:
     holds). Calls run one at a time in order, except those of the `weights` concurrency group
     (joining the weight group, receiving a broadcast), which run beside a collection."""
 
-    def __init__(self, engine: EngineSpec, collector: CollectOptions) -> None:
+    def __init__(
+        self, engine: EngineSpec, collector: CollectOptions, keep_sampling: bool = False
+    ) -> None:
+        """`keep_sampling`: partial rollouts run on a `SamplingLoop` that samples between
+        calls and takes pushes between turns (`rollout.partial.keep_sampling`)."""
         self.tokenizer = load_tokenizer(engine.model_path)
         self.backend, self.weights = start_engine(engine, self.tokenizer)
         self.collector = collector
@@ -145,6 +150,11 @@ class RolloutWorker:
         """With partial rollouts, the groups this worker keeps in flight between calls."""
         self.envs = EnvPool()
         """This worker's envs between episodes (`reusable` ones are reset, not built, each call)."""
+        self.loop: SamplingLoop | None = None
+        """With `keep_sampling`, what owns the engine and the groups in flight."""
+        if keep_sampling:
+            collection = Collection(self.backend, self.tokenizer, collector, envs=self.envs)
+            self.loop = SamplingLoop(collection, self.weights)
 
     def collect(self, tasks: list[Task], step: int, run_id: str) -> RolloutResult:
         """`collect_groups` over these tasks, numbered from 0 (the pool renumbers groups); every
@@ -163,7 +173,11 @@ class RolloutWorker:
         """Partial rollouts (`rollout/partial.py`): admit `admit` into the groups this worker
         keeps in flight, run turns until `want` of them have finished and return those; the
         others continue at the next call, on whatever weights were loaded in between. Each turn
-        is tagged with this worker's policy version."""
+        is tagged with this worker's policy version. With `keep_sampling` the loop runs the
+        turns, between calls too; this only admits and waits."""
+        if self.loop is not None:
+            self.loop.admit(admit)
+            return self.loop.take(want, step, run_id).result()
         if self.partial is None:
             collection = Collection(self.backend, self.tokenizer, self.collector, run_id=run_id,
                                     envs=self.envs)  # fmt: skip
@@ -173,7 +187,11 @@ class RolloutWorker:
         return result
 
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int = 0) -> None:
-        """Load pushed weights (or a LoRA adapter) into the engine; it drops its caches."""
+        """Load pushed weights (or a LoRA adapter) into the engine; it drops its caches. With
+        `keep_sampling`, the loop loads them before its next turn."""
+        if self.loop is not None:
+            self.loop.load(dict(weights), version)
+            return
         self.weights.load(dict(weights), version)
         self.version = version
 
@@ -193,6 +211,9 @@ class RolloutWorker:
             raise RuntimeError("receive_weights before join_weight_group")
         nccl = self.receiver.address.backend == "nccl"
         tensors = self.receiver.receive(specs, torch.device("cuda" if nccl else "cpu"))
+        if self.loop is not None:  # no `apply_weights` follows: the loop takes them at once
+            self.loop.load(tensors, version)
+            return
         with self.lock:
             self.received[version] = tensors
 
@@ -207,7 +228,11 @@ class RolloutWorker:
         self, sequences: list[list[int]], targets: list[list[bool]]
     ) -> tuple[int, list[list[float]]]:
         """The version this worker holds and its backend's logprobs of `sequences` at
-        temperature 1 (the weight canary)."""
+        temperature 1 (the weight canary). With `keep_sampling`, between two of the loop's
+        turns, after the weights pushed so far are loaded."""
+        if self.loop is not None:
+            scored = self.loop.call(lambda v: (v, self.backend.score(sequences, targets, 1.0)))
+            return scored.result()
         return self.version, self.backend.score(sequences, targets, 1.0)
 
     def ping(self) -> bool:
@@ -222,6 +247,8 @@ class RolloutWorker:
 
     def close(self) -> None:
         """Release the backend, the weight group and every env (in flight or idle)."""
+        if self.loop is not None:
+            self.loop.close()
         if self.partial is not None:
             self.partial.close()
         self.envs.close()
@@ -280,10 +307,12 @@ class RayRolloutPool:
         weight_sync: WeightSync = "broadcast",
         lora: LoraSettings | None = None,
         adapters: int = 1,
+        keep_sampling: bool = False,
     ) -> None:
         """`resources`: custom Ray resources each actor needs (placement); `weight_sync`: how
         `update_weights` reaches the actors; `lora`: pushes are this adapter's tensors, and a
-        vLLM engine keeps `adapters` versions of it loaded."""
+        vLLM engine keeps `adapters` versions of it loaded; `keep_sampling`: partial rollouts
+        keep sampling between calls and take pushes between turns (`rollout/streaming.py`)."""
         ray = _import_ray()
         if not ray.is_initialized():
             raise RuntimeError("call ray.init() (or ray.init(address='auto')) before the pool")
@@ -301,7 +330,10 @@ class RayRolloutPool:
         )(RolloutWorker)  # fmt: skip
         engine = EngineSpec(model_path, backend or HFBackendConfig(), limits, dtype, lora, adapters)
         spread = actor.options(scheduling_strategy="SPREAD")
-        self.workers = [spread.remote(engine, self.collector) for _ in range(num_workers)]
+        self.workers = [spread.remote(engine, self.collector, keep_sampling)
+                        for _ in range(num_workers)]  # fmt: skip
+        self.keep_sampling = keep_sampling
+        """Pushes, canary scores and closes go beside a waiting call (the `weights` group)."""
         self.weight_sync = weight_sync
         self.actor_gpus = num_gpus_per_worker
         self.sender: WeightSender | None = None
@@ -451,7 +483,7 @@ class RayRolloutPool:
             return
         shared = self._ray.put({k: v.detach().to("cpu") for k, v in distinct.items()})
         for worker in self.workers:
-            worker.update_weights.remote(shared, version)
+            self._beside(worker.update_weights).remote(shared, version)
 
     def _broadcast(
         self, weights: dict[str, torch.Tensor], specs: list[TensorSpec], version: int
@@ -474,6 +506,8 @@ class RayRolloutPool:
                 self.sender, self.members = None, []
                 if attempt == 2:
                     raise
+        if self.keep_sampling:  # each actor's loop took its copy as it arrived
+            return
         for worker in self.workers:
             worker.apply_weights.remote(version)
 
@@ -516,8 +550,15 @@ class RayRolloutPool:
         self, sequences: list[list[int]], targets: list[list[bool]]
     ) -> list[tuple[int, list[list[float]]]]:
         """Each worker's (version, logprobs) of the canary, in worker order; each call runs
-        after that actor's queued collections and weight loads."""
-        return self._ray.get([w.score.remote(sequences, targets) for w in self.workers])
+        after that actor's queued collections and weight loads (with `keep_sampling`, between
+        two of its turns, after the pushes so far)."""
+        calls = [self._beside(w.score).remote(sequences, targets) for w in self.workers]
+        return self._ray.get(calls)
+
+    def _beside(self, method: Any) -> Any:
+        """`method` in the `weights` group with `keep_sampling` (beside a call waiting for
+        finished groups, which would otherwise hold it back for a whole step), else as is."""
+        return method.options(concurrency_group=WEIGHTS_GROUP) if self.keep_sampling else method
 
     def nodes(self) -> list[str]:
         """The Ray node id of each worker, in worker order."""
@@ -525,7 +566,7 @@ class RayRolloutPool:
 
     def close(self) -> None:
         """Release every worker's backend and the weight group, and end the actors."""
-        self._ray.get([worker.close.remote() for worker in self.workers])
+        self._ray.get([self._beside(worker.close).remote() for worker in self.workers])
         if self.sender is not None:
             self.sender.close()
         for worker in self.workers:

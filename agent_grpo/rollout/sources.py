@@ -16,10 +16,12 @@ after the previous update reached every worker, and the run equals the local pat
 Where we depart from common practice: AReaL, verl `fully_async` and SkyRL stream single
 trajectories and may interrupt a generation for a weight update; on Ray workers we keep whole
 collections per version, which keeps every group on one policy, at the cost of some idle time at
-the end of a collection. On the trainer's own engine, `rollout.partial` carries unfinished groups
-across updates instead (agent_grpo/rollout/partial.py). Weights go through Ray's object store
-(one put, many gets) or a broadcast over a gloo/NCCL group of the trainer and the actors
-(`rollout.workers.weight_sync`, docs/scaling.md); with LoRA only the adapter travels.
+the end of a collection. `rollout.partial` carries unfinished groups across updates instead
+(agent_grpo/rollout/partial.py), and with `keep_sampling` Ray actors sample while the trainer
+updates, taking each push between two turns (agent_grpo/rollout/streaming.py). Weights go
+through Ray's object store (one put, many gets) or a broadcast over a gloo/NCCL group of the
+trainer and the actors (`rollout.workers.weight_sync`, docs/scaling.md); with LoRA only the
+adapter travels.
 """
 
 from __future__ import annotations
@@ -220,7 +222,7 @@ class RayRollouts:
         if started:
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             ray.init(**ray_init_args(workers, os.environ))
-        lora = config.model.lora
+        lora, partial = config.model.lora, config.rollout.partial
         if lora is not None:  # actors start from the base model; pushes set the adapter
             model_path = resolve_model_path(config.model.name_or_path)
         pool = RayRolloutPool(
@@ -229,6 +231,7 @@ class RayRollouts:
             num_cpus_per_worker=workers.num_cpus_per_worker,
             num_gpus_per_worker=workers.num_gpus_per_worker, resources=workers.resources,
             weight_sync=workers.weight_sync, lora=lora, adapters=config.algo.max_staleness + 1,
+            keep_sampling=partial is not None and partial.keep_sampling,
         )  # fmt: skip
         return cls(config, pool, started)
 

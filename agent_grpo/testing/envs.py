@@ -9,7 +9,7 @@ import numpy as np
 
 from agent_grpo.envs.text_env import TextEnv, TurnOutcome, Verdict
 
-__all__ = ["LongTailEnv"]
+__all__ = ["LongTailEnv", "long_tail_seeds"]
 
 
 class LongTailEnv(TextEnv[int]):
@@ -45,3 +45,13 @@ class LongTailEnv(TextEnv[int]):
 
     def verify(self, task: int, answer: str) -> Verdict:
         return Verdict(success=len(answer) % 2 == 0)
+
+
+def long_tail_seeds(turns: list[int], **kwargs: Any) -> list[int]:
+    """Distinct seeds, in order, whose `LongTailEnv(**kwargs)` tasks take these many turns."""
+    env, out, seed = LongTailEnv(**kwargs), [], 0
+    for want in turns:
+        while env.generate_task(np.random.default_rng(seed)) != want or seed in out:
+            seed += 1
+        out.append(seed)
+    return out

@@ -91,6 +91,14 @@ VLLM_WORKERS = ["rollout.workers={type: ray}", "rollout.backend={type: vllm}"]
             ],
             "needs at least as many rollout.tasks_per_step",
         ),
+        (
+            ["rollout.partial={keep_sampling: true}", "algo.max_staleness=1"],
+            "keep_sampling needs Ray rollout workers",
+        ),
+        (
+            ["rollout.partial={keep_sampling: true}", "rollout.workers={type: ray}"],
+            "keep_sampling needs algo.max_staleness >= 1",
+        ),
         ([*VLLM_WORKERS, "model.lora={}", "rollout.canary={}"], "cannot score the canary"),
         ([*VLLM_WORKERS, "model.lora={r: 600}"], "takes ranks up to 512"),
         (

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,26 +16,11 @@ from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.rollout.partial import PartialCollector, StreamTask, TaskStream
 from agent_grpo.rollout.step import step_tasks
 from agent_grpo.testing.backends import SeededFinal
-from agent_grpo.testing.envs import LongTailEnv
+from agent_grpo.testing.envs import long_tail_seeds as seeds_taking
 from agent_grpo.trainer.batch import pack_records, token_versions
 from agent_grpo.trajectory.record import TrajectoryRecord
 
 ENV = "agent_grpo.testing.envs:LongTailEnv"
-
-
-def turns_of(seed: int) -> int:
-    """How many turns LongTailEnv's task of `seed` takes."""
-    return LongTailEnv().generate_task(np.random.default_rng(seed))
-
-
-def seeds_taking(turns: list[int]) -> list[int]:
-    """A seed for each wanted episode length (distinct seeds, in order)."""
-    out, seed = [], 0
-    for want in turns:
-        while turns_of(seed) != want or seed in out:
-            seed += 1
-        out.append(seed)
-    return out
 
 
 def collector(tokenizer: Any, group_size: int = 2) -> PartialCollector:

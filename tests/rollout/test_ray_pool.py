@@ -573,3 +573,38 @@ def test_asynchronous_partial_training_trains_no_token_staler_than_the_bound(
                 trained = record.old_logprobs[turn.token_start : turn.token_end]
                 if step - turn.policy_version > 1:  # older than the bound: context only
                     assert all(v is None for v in trained)
+
+
+@pytest.mark.slow
+def test_actors_that_keep_sampling_train_each_group_once_within_the_bound(
+    ray_local: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`keep_sampling`: which version samples a turn depends on timing, so this checks what
+    must hold whatever the timing: every group trained once, turn versions that never run
+    backwards or ahead of the step, no trained token older than the bound, and every push
+    verified on both actors by the canary (at the version the trainer pushed)."""
+    from agent_grpo.run_dir.writer import RunWriter
+
+    run = train_tiny(tmp_path, tiny_model_dir, "keep-sampling", *LONG_TAIL, "steps=4",
+                     "rollout.partial={over_sample: 2, keep_sampling: true}",
+                     "algo.max_staleness=1", "algo.tis_cap=2.0", "rollout.canary={}",
+                     "rollout.workers={type: ray, num_workers: 2}")  # fmt: skip
+    store = RunWriter.open(run)
+    assert store.steps() == [0, 1, 2, 3]
+    groups: list[str] = []
+    for step in store.steps():
+        records = store.read_trajectories(step)
+        groups += sorted({r.group_id for r in records})
+        assert len({r.group_id for r in records}) == 2  # tasks_per_step finished groups
+        for record in records:
+            versions = [t.policy_version for t in record.turns]
+            assert None not in versions and versions == sorted(versions)  # type: ignore[type-var]
+            assert versions[-1] <= step and record.policy_version == versions[0]
+            assert record.old_logprobs is not None
+            for turn in record.turns:
+                trained = record.old_logprobs[turn.token_start : turn.token_end]
+                if step - turn.policy_version > 1:  # older than the bound: context only
+                    assert all(v is None for v in trained)
+    assert len(groups) == len(set(groups))  # no group trained twice
+    rows = [r for r in metrics_rows(run) if "loss" in r]
+    assert all(r["canary_gap"] == 0.0 for r in rows)  # every push reached both actors
