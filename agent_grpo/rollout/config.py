@@ -159,9 +159,10 @@ class PartialConfig(ConfigModel):
     """Ray workers keep sampling while the trainer updates and load each push between two
     turns as it arrives (agent_grpo/rollout/streaming.py), instead of running turns only inside
     a step's call, behind the pushes queued before it. Fewer carried turns pass
-    `algo.max_staleness` and the engines never idle; but which version samples a turn then
-    depends on timing, so two runs of one config differ. Needs `rollout.workers: {type: ray}`
-    and `algo.max_staleness` >= 1."""
+    `algo.max_staleness` and the engines do not wait for the update; but which version samples
+    a turn then depends on timing, so two runs of one config differ. Needs
+    `rollout.workers: {type: ray}` and `algo.max_staleness` >= 1; `over_sample` near
+    `max_staleness * tasks_per_step` measured best (docs/scaling.md)."""
 
 
 class CanaryConfig(ConfigModel):

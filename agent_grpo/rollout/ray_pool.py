@@ -128,7 +128,8 @@ def merge_metrics(parts: Sequence[RolloutMetrics], wall_time_s: float) -> Rollou
 class RolloutWorker:
     """One rollout process: its engine, where pushes go, and collector settings (what each actor
     holds). Calls run one at a time in order, except those of the `weights` concurrency group
-    (joining the weight group, receiving a broadcast), which run beside a collection."""
+    (joining the weight group, receiving a broadcast; with `keep_sampling` also pushes, canary
+    scores and closing), which run beside a collection."""
 
     def __init__(
         self, engine: EngineSpec, collector: CollectOptions, keep_sampling: bool = False
@@ -160,6 +161,8 @@ class RolloutWorker:
         """`collect_groups` over these tasks, numbered from 0 (the pool renumbers groups); every
         record is tagged with this worker's policy version. An actor runs one call at a time, so
         a collection never straddles a weight update."""
+        if self.loop is not None:  # it owns the engine: a second caller would race it
+            raise RuntimeError("a worker that keeps sampling takes partial collections only")
         result = collect_groups(tasks, self.backend, self.tokenizer, self.collector, step=step,
                                 run_id=run_id, envs=self.envs)  # fmt: skip
         for record in result.records:
@@ -234,6 +237,11 @@ class RolloutWorker:
             scored = self.loop.call(lambda v: (v, self.backend.score(sequences, targets, 1.0)))
             return scored.result()
         return self.version, self.backend.score(sequences, targets, 1.0)
+
+    def sampled_turns(self) -> int:
+        """Turns its sampling loop has run (`keep_sampling`; 0 without): a turn is one backend
+        call for every episode in flight."""
+        return 0 if self.loop is None else self.loop.turns
 
     def ping(self) -> bool:
         """Alive (for tests and health checks)."""
@@ -467,8 +475,9 @@ class RayRolloutPool:
 
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int = 0) -> None:
         """Send new weights, tagged `version`, to every worker; each loads them after its
-        submitted collections (a collection submitted later samples with them). A tied
-        weight's second name is dropped: one copy travels.
+        submitted collections (a collection submitted later samples with them), or with
+        `keep_sampling` before its loop's next turn. A tied weight's second name is dropped:
+        one copy travels.
 
         `object_store`: one `ray.put` that every actor reads; returns at once. `broadcast`:
         returns once every actor has received its copy (beside any collection in progress).

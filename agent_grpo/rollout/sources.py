@@ -276,7 +276,8 @@ class RayRollouts:
 
     def push(self, model: torch.nn.Module, version: int) -> None:
         """The weights (with LoRA, the adapter's tensors alone) to every actor, by
-        `rollout.workers.weight_sync`; each loads them after its queued work."""
+        `rollout.workers.weight_sync`; each loads them after its queued work (with
+        `keep_sampling`, before its next turn)."""
         lora = self.config.model.lora is not None
         self.pool.update_weights(adapter_state(model) if lora else model.state_dict(), version)
 
@@ -284,7 +285,7 @@ class RayRollouts:
         self, sequences: list[list[int]], targets: list[list[bool]]
     ) -> list[EngineScore]:
         """Every actor's score, each queued behind its submitted collections and the push (so
-        this waits for them)."""
+        this waits for them); with `keep_sampling`, between two of its turns, after the push."""
         scores = self.pool.score(sequences, targets)
         return [EngineScore(f"rollout worker {i}", v, lp) for i, (v, lp) in enumerate(scores)]
 

@@ -49,8 +49,6 @@ class _Take:
     """The step whose records they become."""
     run_id: str
     """The run id stamped on them."""
-    asked: float
-    """`time.perf_counter()` when asked: the collection's wall time runs from here."""
     answer: Future[RolloutResult] = field(default_factory=Future)
     """Its records, or the error that stopped the loop."""
 
@@ -75,6 +73,8 @@ class SamplingLoop:
         """The policy version the engine samples with (the loop thread's to change)."""
         self.turns = 0
         """Turns run so far (a turn is one backend call for every episode in flight)."""
+        self._answered = time.perf_counter()
+        """When the last take was answered (or the loop started): its metrics' wall time."""
         self._wake = threading.Condition()
         self._admit: list[StreamTask] = []
         self._weights: tuple[dict[str, torch.Tensor], int] | None = None
@@ -95,7 +95,8 @@ class SamplingLoop:
         """Sample with `weights` (policy `version`) from the next turn on; a newer push posted
         before that turn replaces this one."""
         with self._wake:
-            if self._weights is None or self._weights[1] < version:
+            newest = max(self.version, -1 if self._weights is None else self._weights[1])
+            if self._error is None and version >= newest:  # never back to older weights
                 self._weights = (weights, version)
             self._wake.notify()
 
@@ -103,7 +104,7 @@ class SamplingLoop:
         """The oldest `want` groups to finish once that many have, as records of `step` (fewer
         when nothing else is in flight or admitted). Requests are answered in turn; the
         metrics are those of the turns since the last answer."""
-        request = _Take(want, step, run_id, time.perf_counter())
+        request = _Take(want, step, run_id)
         with self._wake:
             self._post(self._takes, request)
         return request.answer
@@ -158,20 +159,22 @@ class SamplingLoop:
 
     def _between_turns(self) -> bool:
         """Load, admit, run calls, answer takes; wait while there is nothing to sample. False
-        once closed."""
+        once closed. A load or an admission that raises stops the loop with the calls and
+        takes still queued, so `_run` fails every one of them."""
         while True:
             with self._wake:
                 if self._closing:
                     return False
                 weights, self._weights = self._weights, None
                 admit, self._admit = self._admit, []
-                calls, self._calls = self._calls, []
             if weights is not None:
                 self.weights.load(*weights)
                 self.version = weights[1]
             for item in admit:
                 self.collection.admit([item.task], item.step, first_index=item.index)
-            for request in calls:
+            with self._wake:
+                calls, self._calls = self._calls, []
+            for request in calls:  # each answered, whatever it raises
                 _answer(request.answer, request.run, self.version)
             self._answer_takes()
             running = any(not ep.done for ep in self.collection.episodes)
@@ -203,7 +206,9 @@ class SamplingLoop:
         """The oldest finished groups for `request`, with the metrics since the last take."""
         self.collection.run_id = request.run_id
         result = self.collection.take(self.collection.finished()[: request.want], request.step)
-        finish_metrics(result, time.perf_counter() - request.asked)
+        now = time.perf_counter()
+        finish_metrics(result, now - self._answered)  # the turns since the last take
+        self._answered = now
         result.metrics.in_flight_groups = len(self.collection.groups)
         return result
 

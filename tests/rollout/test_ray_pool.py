@@ -577,14 +577,24 @@ def test_asynchronous_partial_training_trains_no_token_staler_than_the_bound(
 
 @pytest.mark.slow
 def test_actors_that_keep_sampling_train_each_group_once_within_the_bound(
-    ray_local: Any, tiny_model_dir: Path, tmp_path: Path
+    ray_local: Any, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`keep_sampling`: which version samples a turn depends on timing, so this checks what
     must hold whatever the timing: every group trained once, turn versions that never run
     backwards or ahead of the step, no trained token older than the bound, and every push
-    verified on both actors by the canary (at the version the trainer pushed)."""
+    verified on both actors by the canary (at the version the trainer pushed); and that the
+    turns were the actors' sampling loops' (a call-driven worker runs none)."""
+    from agent_grpo.rollout.ray_pool import RayRolloutPool
     from agent_grpo.run_dir.writer import RunWriter
 
+    loop_turns: list[int] = []
+    close = RayRolloutPool.close
+
+    def counting_close(pool: RayRolloutPool) -> None:
+        loop_turns.extend(ray_local.get([w.sampled_turns.remote() for w in pool.workers]))
+        close(pool)
+
+    monkeypatch.setattr(RayRolloutPool, "close", counting_close)
     run = train_tiny(tmp_path, tiny_model_dir, "keep-sampling", *LONG_TAIL, "steps=4",
                      "rollout.partial={over_sample: 2, keep_sampling: true}",
                      "algo.max_staleness=1", "algo.tis_cap=2.0", "rollout.canary={}",
@@ -608,3 +618,4 @@ def test_actors_that_keep_sampling_train_each_group_once_within_the_bound(
     assert len(groups) == len(set(groups))  # no group trained twice
     rows = [r for r in metrics_rows(run) if "loss" in r]
     assert all(r["canary_gap"] == 0.0 for r in rows)  # every push reached both actors
+    assert len(loop_turns) == 2 and min(loop_turns) > 0

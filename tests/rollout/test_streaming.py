@@ -38,15 +38,18 @@ class RecordedWeights:
 
 
 class Gated(SeededFinal):
-    """`SeededFinal` that runs a turn only when the test lets it (`step.release()`)."""
+    """`SeededFinal` that runs a turn only when the test lets it (`step.release()`); `entered`
+    counts the turns begun, the last one perhaps still waiting."""
 
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer, [])
         self.step = threading.Semaphore(0)
+        self.entered = 0
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]
     ) -> list[Generation]:
+        self.entered += 1
         assert self.step.acquire(timeout=30), "the test never let this turn run"
         return super().generate(prompts, sampling, seeds)
 
@@ -67,18 +70,22 @@ def tasks(step: int, turns: list[int]) -> list[StreamTask]:
 
 
 def test_the_loop_keeps_sampling_between_requests(tokenizer) -> None:
-    loop, _ = sampling_loop(SeededFinal(tokenizer, []), tokenizer)
+    backend = Gated(tokenizer)
+    loop, _ = sampling_loop(backend, tokenizer)
     try:
         loop.admit(tasks(0, [6, 1, 6]))
-        first = loop.take(1, step=0, run_id="r").result(timeout=30)
+        answer = loop.take(1, step=0, run_id="r")
+        backend.step.release(1)
+        first = answer.result(timeout=30)
         assert [r.group_id for r in first.records] == ["s0-t1"]
-        # nobody asks, and the two long episodes still run to their end
+        backend.step.release(5)  # nobody asks, and the two long episodes run to their end
         assert wait_until(lambda: loop.turns == 6, 30)
         second = loop.take(2, step=1, run_id="r").result(timeout=30)
         assert [r.group_id for r in second.records] == ["s0-t0", "s0-t2"]
         assert {r.step for r in second.records} == {1} and loop.turns == 6
         assert second.metrics.in_flight_groups == 0
     finally:
+        backend.step.release(100)
         loop.close()
 
 
@@ -89,7 +96,7 @@ def test_a_push_is_loaded_before_the_next_turn_and_tags_the_turns_after_it(token
         loop.admit(tasks(0, [6]))
         answer = loop.take(1, step=2, run_id="r")
         backend.step.release(2)
-        assert wait_until(lambda: loop.turns == 2, 30)
+        assert wait_until(lambda: backend.entered == 3, 30)
         loop.load({}, 1)  # posted while the third turn waits to run: it is sampled at version 0
         loop.load({}, 2)
         backend.step.release(4)
@@ -108,8 +115,35 @@ def test_an_engine_call_runs_on_the_weights_posted_before_it(tokenizer) -> None:
     try:
         loop.load({}, 3)
         assert loop.call(lambda version: version).result(timeout=30) == 3
+        loop.load({}, 2)  # older than what it holds: never loaded
+        assert loop.call(lambda version: version).result(timeout=30) == 3
         assert weights.loaded == [3]
     finally:
+        loop.close()
+
+
+class FailingWeights(RecordedWeights):
+    def load(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        raise RuntimeError("out of memory")
+
+
+def test_a_push_that_fails_to_load_fails_the_calls_posted_with_it(tokenizer) -> None:
+    backend = Gated(tokenizer)
+    options = CollectOptions.from_config(RolloutConfig(group_size=1))
+    loop = SamplingLoop(Collection(backend, tokenizer, options), FailingWeights())
+    try:
+        loop.admit(tasks(0, [6]))
+        backend.step.release(1)
+        assert wait_until(lambda: backend.entered == 2, 30)
+        loop.load({}, 1)  # both wait for the turn in progress; the load then fails
+        scored = loop.call(lambda version: version)
+        backend.step.release(1)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            scored.result(timeout=30)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            loop.take(1, step=0, run_id="r").result(timeout=30)
+    finally:
+        backend.step.release(100)
         loop.close()
 
 
@@ -142,7 +176,7 @@ def test_closing_fails_a_waiting_request_and_closes_the_envs_in_flight(tokenizer
     loop.admit(tasks(0, [6]))
     answer = loop.take(1, step=0, run_id="r")
     backend.step.release(1)
-    assert wait_until(lambda: loop.turns == 1, 30)
+    assert wait_until(lambda: backend.entered == 2, 30)  # the second turn waits to run
     env, closed = loop.collection.episodes[0].env, []
     env.close = lambda: closed.append(True)  # type: ignore[method-assign]
     closer = threading.Thread(target=loop.close)
