@@ -59,15 +59,21 @@ class StreamTask:
 
 class TaskStream:
     """The training tasks in order, step 0's then step 1's and so on; `take` hands out the next
-    ones. Its `position` is all a checkpoint needs to continue it."""
+    ones. Its `position` and the tasks handed back (`requeued`) are all a checkpoint needs to
+    continue it."""
 
     def __init__(self, config: TrainConfig, position: int = 0) -> None:
         self.config, self.position = config, position
+        self.requeued: list[StreamTask] = []
+        """Tasks handed out and given back to start over (a checkpoint's groups in flight on
+        Ray workers); `take` hands them out first, oldest first."""
 
     def take(self, count: int) -> list[StreamTask]:
-        """The next `count` tasks."""
+        """The next `count` tasks: the requeued ones first, then the stream's."""
+        again, self.requeued = self.requeued[: max(0, count)], self.requeued[max(0, count) :]
+        count -= len(again)
         per_step = self.config.rollout.tasks_per_step
-        out: list[StreamTask] = []
+        out: list[StreamTask] = list(again)
         for p in range(self.position, self.position + max(0, count)):
             step, index = divmod(p, per_step)
             out.append(StreamTask(step, index, step_tasks(self.config, step)[index]))

@@ -396,6 +396,12 @@ class RayRolloutPool:
         return PendingCollection([], step, run_id, [], futures, time.perf_counter(), wants,
                                  workers)  # fmt: skip
 
+    def held_tasks(self) -> list[StreamTask]:
+        """Partial rollouts: the tasks of every group handed to a worker and not yet returned
+        (in flight, or finished and not yet collected), oldest first."""
+        held = [task for tasks in self.held.values() for task in tasks.values()]
+        return sorted(held, key=lambda t: (t.step, t.index))
+
     def wait(self, pending: PendingCollection) -> RolloutResult:
         """The submitted collection's result. A block whose worker died (its actor killed, its
         node gone) is sent again to a surviving worker; `metrics.worker_failures` counts it.

@@ -43,12 +43,13 @@ from agent_grpo.rollout.backends.factory import rollout_limits
 from agent_grpo.rollout.collector import Collection, RolloutResult
 from agent_grpo.rollout.config import RayWorkers
 from agent_grpo.rollout.env_pool import EnvPool
-from agent_grpo.rollout.partial import PartialCollector, TaskStream
+from agent_grpo.rollout.partial import PartialCollector, StreamTask, TaskStream
 from agent_grpo.rollout.step import collect, collector_config, score, step_tasks
 
 __all__ = [
     "EngineScore",
     "LocalRollouts",
+    "RayPartialState",
     "RayRollouts",
     "RolloutSource",
     "build_rollouts",
@@ -184,7 +185,11 @@ class LocalRollouts:
         """Continue the groups in flight and the task stream of a checkpoint's `state()`."""
         if self.partial is None:
             raise ValueError("the checkpoint holds partial rollouts, but rollout.partial is off")
-        self.stream.position, collector = pickle.loads(state)
+        saved = pickle.loads(state)
+        if isinstance(saved, RayPartialState):
+            raise ValueError("the checkpoint holds partial rollouts of Ray workers: resume "
+                             "with the run's rollout.workers")  # fmt: skip
+        self.stream.position, collector = saved
         self.partial.restore(collector)
 
     def close(self) -> None:
@@ -193,6 +198,17 @@ class LocalRollouts:
         if self.partial is not None:
             self.partial.close()
         self.envs.close()
+
+
+@dataclass(frozen=True)
+class RayPartialState:
+    """What a checkpoint keeps of partial rollouts on Ray workers."""
+
+    position: int
+    """The task stream's position."""
+    in_flight: list[StreamTask]
+    """The tasks of the groups the workers held (in flight, or finished and not yet trained):
+    a resumed run starts them over, so none is lost and none trains twice."""
 
 
 class RayRollouts:
@@ -208,6 +224,8 @@ class RayRollouts:
         self.submitted = -1
         self.stream = TaskStream(config)
         """Partial rollouts' tasks, handed to the workers as their groups finish."""
+        self.restored = False
+        """Whether the stream came from a checkpoint (`restore`)."""
 
     @classmethod
     def start(cls, config: TrainConfig, model_path: str, stop: list[str]) -> RayRollouts:
@@ -258,7 +276,8 @@ class RayRollouts:
         trainer instead (agent_grpo/algo/staleness.py)."""
         if self.submitted < step - 1:  # a resumed run starts submitting (and streaming) here
             self.submitted = step - 1
-            self.stream.position = step * self.config.rollout.tasks_per_step
+            if not self.restored:
+                self.stream.position = step * self.config.rollout.tasks_per_step
         self._submit_through(step + self.k)
         result = score(self.config, self.pool.wait(self.pending.pop(step)))
         if self.config.rollout.partial is not None:
@@ -290,14 +309,21 @@ class RayRollouts:
         return [EngineScore(f"rollout worker {i}", v, lp) for i, (v, lp) in enumerate(scores)]
 
     def state(self) -> bytes | None:
-        """Nothing: the collections in flight are resubmitted on resume (partial rollouts: the
-        stream starts again at the resumed step's tasks; the groups the actors had in flight
-        are not kept)."""
-        return None
+        """Partial rollouts: the stream's position and the tasks of the groups the workers
+        held (`RayPartialState`; their token trees stay on the actors, so a resume starts them
+        over). Otherwise nothing: the collections in flight are resubmitted on resume."""
+        if self.config.rollout.partial is None:
+            return None
+        return pickle.dumps(RayPartialState(self.stream.position, self.pool.held_tasks()))
 
     def restore(self, state: bytes) -> None:
-        """Ray workers keep no state a checkpoint holds."""
-        raise ValueError("the checkpoint holds partial rollouts, which Ray workers do not take")
+        """Continue the task stream of a checkpoint's `state()`, the groups in flight first."""
+        saved = pickle.loads(state)
+        if not isinstance(saved, RayPartialState):
+            raise ValueError("the checkpoint holds partial rollouts of the trainer's own engine: "
+                             "resume without rollout.workers")  # fmt: skip
+        self.stream.position, self.stream.requeued = saved.position, list(saved.in_flight)
+        self.restored = True
 
     def close(self) -> None:
         """End the actors (and the local Ray instance this started)."""

@@ -112,6 +112,31 @@ def test_a_killed_partial_run_resumes_its_groups_in_flight(
     _kill_and_resume(tmp_path, tiny_model_dir, uninterrupted_partial, point, *PARTIAL)
 
 
+def test_a_killed_partial_run_on_ray_workers_trains_every_group_once(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The actors' groups in flight are not in the checkpoint (their token trees live on the
+    actors), but their tasks are: a resumed run starts them over, so none is lost and none
+    trains twice, whether it was in flight, finished and not yet trained, or admitted ahead for
+    a step the killed run never took."""
+    # Checkpointed after step 0, which trained a task of step 1 (s1-t0) while one of step 0's
+    # (s0-t0) was in flight: the kill after step 1 loses both from the actors.
+    ray = [*PARTIAL, "rollout.workers={type: ray, num_workers: 2}", "steps=4", "eval=null",
+           "run.checkpoint_every=1"]  # fmt: skip
+    killed = train(tmp_path, tiny_model_dir, "run", *ray, crash="after_step:1")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = train(tmp_path, tiny_model_dir, "run", *ray, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    store = RunWriter.open(tmp_path / "run")
+    assert store.steps() == [0, 1, 2, 3]
+    trained = [sorted({r.group_id for r in store.read_trajectories(s)}) for s in store.steps()]
+    assert trained[0] == ["s0-t1", "s1-t0"]  # the case above (the run is deterministic)
+    groups = [g for step in trained for g in step]
+    assert all(len(step) == 2 for step in trained)  # tasks_per_step groups each step
+    assert len(groups) == len(set(groups)), trained  # none trained twice
+    assert "s0-t0" in groups, trained  # started over, not lost with the killed run's actors
+
+
 def _kill_and_resume(
     tmp_path: Path, tiny_model_dir: Path, uninterrupted: dict[str, object], point: str,
     *extra: str,

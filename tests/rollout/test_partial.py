@@ -111,6 +111,20 @@ def test_the_task_stream_runs_through_the_steps_tasks_in_order() -> None:
     assert tasks.position == 7 and TaskStream(config, 7).take(1)[0].task == step_tasks(config, 2)[1]
 
 
+def test_requeued_tasks_are_handed_out_first_and_the_stream_goes_on_after_them() -> None:
+    config = TrainConfig.model_validate(
+        {"env": {"id": ENV}, "rollout": {"tasks_per_step": 2}}
+    )  # fmt: skip
+    tasks = TaskStream(config, position=3)
+    again = [StreamTask(0, 1, step_tasks(config, 0)[1]), StreamTask(1, 0, step_tasks(config, 1)[0])]
+    tasks.requeued = list(again)
+    first = tasks.take(1)
+    assert first == again[:1] and tasks.position == 3
+    rest = tasks.take(2)
+    assert rest[0] == again[1] and (rest[1].step, rest[1].index) == (1, 1)
+    assert tasks.position == 4 and tasks.requeued == []
+
+
 @settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

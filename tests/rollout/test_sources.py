@@ -1,5 +1,6 @@
 """Where a step's rollouts come from: the local engine frees its caches once a collection ends;
-Ray workers join the configured cluster, or a private local instance, never a stray one."""
+Ray workers join the configured cluster, or a private local instance, never a stray one; a
+checkpoint's partial rollouts resume only on the kind of source that wrote them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.rollout import step as rollout_step
 from agent_grpo.rollout.collector import RolloutMetrics, RolloutResult, Task
 from agent_grpo.rollout.config import RayWorkers
-from agent_grpo.rollout.sources import LocalRollouts, ray_init_args
+from agent_grpo.rollout.partial import StreamTask
+from agent_grpo.rollout.sources import LocalRollouts, RayRollouts, ray_init_args
+from agent_grpo.testing.backends import ScriptedBackend
 from agent_grpo.testing.records import minimal_record
 
 
@@ -84,3 +87,32 @@ def test_a_cluster_left_by_ray_start_is_not_joined(monkeypatch: pytest.MonkeyPat
             ray.shutdown()
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+
+
+class HeldPool:
+    """What `RayRollouts.state` asks of a pool: the tasks its workers hold."""
+
+    def __init__(self, held: list[StreamTask]) -> None:
+        self.held = held
+
+    def held_tasks(self) -> list[StreamTask]:
+        return self.held
+
+
+def test_partial_rollouts_resume_on_the_kind_of_source_that_wrote_them(tokenizer) -> None:
+    partial = {"rollout": {"partial": {}, "workers": {"type": "ray", "num_workers": 1}}}
+    config = TrainConfig.model_validate(partial)
+    held = [StreamTask(0, 1, Task(env_id=config.env.id, seed=7))]
+    ray = RayRollouts(config, HeldPool(held))
+    ray.stream.position = 5
+    state = ray.state()
+    assert state is not None
+    again = RayRollouts(config, HeldPool([]))
+    again.restore(state)
+    assert (again.stream.position, again.stream.requeued) == (5, held)
+    local_config = TrainConfig.model_validate({"rollout": {"partial": {}}})
+    local = LocalRollouts(local_config, ScriptedBackend(tokenizer, ["x"]), tokenizer, [])
+    with pytest.raises(ValueError, match="partial rollouts of Ray workers"):
+        local.restore(state)
+    with pytest.raises(ValueError, match="partial rollouts of the trainer's own engine"):
+        again.restore(local.state() or b"")
