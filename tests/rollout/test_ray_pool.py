@@ -511,13 +511,15 @@ def test_a_partial_worker_carries_what_a_local_partial_collector_does(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("keep_sampling", [False, True])
 def test_a_dead_partial_workers_groups_start_over_on_another(
-    ray_local: Any, tiny_model_dir: Path
+    ray_local: Any, tiny_model_dir: Path, keep_sampling: bool
 ) -> None:
     from agent_grpo.rollout.ray_pool import RayRolloutPool
 
     stream = partial_stream(4)
-    with RayRolloutPool(2, str(tiny_model_dir), collector=COLLECTOR) as pool:
+    with RayRolloutPool(2, str(tiny_model_dir), collector=COLLECTOR,
+                        keep_sampling=keep_sampling) as pool:  # fmt: skip
         first = pool.wait(pool.submit_partial(stream, 4, 2, 0, "r"))
         taken = {r.group_id for r in first.records}
         pending = pool.submit_partial(stream, 4, 2, 1, "r")
