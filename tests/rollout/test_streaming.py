@@ -3,7 +3,9 @@ loaded at the next turn, and errors and closing reach whoever waits."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -54,14 +56,23 @@ class Gated(SeededFinal):
         return super().generate(prompts, sampling, seeds)
 
 
-def sampling_loop(backend: Any, tokenizer: Any) -> tuple[SamplingLoop, RecordedWeights]:
+@contextlib.contextmanager
+def sampling_loop(
+    backend: Any, tokenizer: Any, weights: RecordedWeights | None = None
+) -> Iterator[tuple[SamplingLoop, RecordedWeights]]:
+    """A loop over `backend`, closed at the end (a gated turn still waiting let through)."""
     options = CollectOptions.from_config(
         RolloutConfig(group_size=1, sampling=SamplingConfig(max_tokens=16))
     )
-    weights = RecordedWeights()
+    weights = weights or RecordedWeights()
     loop = SamplingLoop(Collection(backend, tokenizer, options, run_id="r"), weights)
     weights.loop = loop
-    return loop, weights
+    try:
+        yield loop, weights
+    finally:
+        if isinstance(backend, Gated):
+            backend.step.release(100)
+        loop.close()
 
 
 def tasks(step: int, turns: list[int]) -> list[StreamTask]:
@@ -71,8 +82,7 @@ def tasks(step: int, turns: list[int]) -> list[StreamTask]:
 
 def test_the_loop_keeps_sampling_between_requests(tokenizer) -> None:
     backend = Gated(tokenizer)
-    loop, _ = sampling_loop(backend, tokenizer)
-    try:
+    with sampling_loop(backend, tokenizer) as (loop, _):
         loop.admit(tasks(0, [6, 1, 6]))
         answer = loop.take(1, step=0, run_id="r")
         backend.step.release(1)
@@ -84,15 +94,11 @@ def test_the_loop_keeps_sampling_between_requests(tokenizer) -> None:
         assert [r.group_id for r in second.records] == ["s0-t0", "s0-t2"]
         assert {r.step for r in second.records} == {1} and loop.turns == 6
         assert second.metrics.in_flight_groups == 0
-    finally:
-        backend.step.release(100)
-        loop.close()
 
 
 def test_a_push_is_loaded_before_the_next_turn_and_tags_the_turns_after_it(tokenizer) -> None:
     backend = Gated(tokenizer)
-    loop, weights = sampling_loop(backend, tokenizer)
-    try:
+    with sampling_loop(backend, tokenizer) as (loop, weights):
         loop.admit(tasks(0, [6]))
         answer = loop.take(1, step=2, run_id="r")
         backend.step.release(2)
@@ -105,21 +111,15 @@ def test_a_push_is_loaded_before_the_next_turn_and_tags_the_turns_after_it(token
         # version 1 never sampled: it was replaced before the loop reached a turn's start
         assert versions[:3] == [0, 0, 0] and set(versions[3:]) == {2}
         assert weights.loaded == [2] and weights.before_turn == [3]
-    finally:
-        backend.step.release(100)
-        loop.close()
 
 
 def test_an_engine_call_runs_on_the_weights_posted_before_it(tokenizer) -> None:
-    loop, weights = sampling_loop(SeededFinal(tokenizer, []), tokenizer)
-    try:
+    with sampling_loop(SeededFinal(tokenizer, []), tokenizer) as (loop, weights):
         loop.load({}, 3)
         assert loop.call(lambda version: version).result(timeout=30) == 3
         loop.load({}, 2)  # older than what it holds: never loaded
         assert loop.call(lambda version: version).result(timeout=30) == 3
         assert weights.loaded == [3]
-    finally:
-        loop.close()
 
 
 class FailingWeights(RecordedWeights):
@@ -129,9 +129,7 @@ class FailingWeights(RecordedWeights):
 
 def test_a_push_that_fails_to_load_fails_the_calls_posted_with_it(tokenizer) -> None:
     backend = Gated(tokenizer)
-    options = CollectOptions.from_config(RolloutConfig(group_size=1))
-    loop = SamplingLoop(Collection(backend, tokenizer, options), FailingWeights())
-    try:
+    with sampling_loop(backend, tokenizer, FailingWeights()) as (loop, _):
         loop.admit(tasks(0, [6]))
         backend.step.release(1)
         assert wait_until(lambda: backend.entered == 2, 30)
@@ -142,51 +140,42 @@ def test_a_push_that_fails_to_load_fails_the_calls_posted_with_it(tokenizer) -> 
             scored.result(timeout=30)
         with pytest.raises(RuntimeError, match="out of memory"):
             loop.take(1, step=0, run_id="r").result(timeout=30)
-    finally:
-        backend.step.release(100)
-        loop.close()
 
 
 def test_a_request_for_more_groups_than_can_finish_gets_those_that_did(tokenizer) -> None:
-    loop, _ = sampling_loop(SeededFinal(tokenizer, []), tokenizer)
-    try:
+    with sampling_loop(SeededFinal(tokenizer, []), tokenizer) as (loop, _):
         loop.admit(tasks(0, [2]))
         result = loop.take(3, step=0, run_id="r").result(timeout=30)
         assert [r.group_id for r in result.records] == ["s0-t0"]
         assert loop.take(1, step=1, run_id="r").result(timeout=30).records == []
-    finally:
-        loop.close()
 
 
 def test_an_error_in_the_loop_fails_the_waiting_request_and_every_later_one(tokenizer) -> None:
-    loop, _ = sampling_loop(SeededFinal(tokenizer, []), tokenizer)
-    try:
+    with sampling_loop(SeededFinal(tokenizer, []), tokenizer) as (loop, _):
         loop.admit([StreamTask(0, 0, Task(env_id="agent_grpo.testing.envs:NoSuchEnv", seed=0))])
         with pytest.raises(Exception, match="NoSuchEnv"):
             loop.take(1, step=0, run_id="r").result(timeout=30)
         with pytest.raises(Exception, match="NoSuchEnv"):
             loop.call(lambda version: version).result(timeout=30)
-    finally:
-        loop.close()
 
 
 def test_closing_fails_a_waiting_request_and_closes_the_envs_in_flight(tokenizer) -> None:
     backend = Gated(tokenizer)
-    loop, _ = sampling_loop(backend, tokenizer)
-    loop.admit(tasks(0, [6]))
-    answer = loop.take(1, step=0, run_id="r")
-    backend.step.release(1)
-    assert wait_until(lambda: backend.entered == 2, 30)  # the second turn waits to run
-    env, closed = loop.collection.episodes[0].env, []
-    env.close = lambda: closed.append(True)  # type: ignore[method-assign]
-    closer = threading.Thread(target=loop.close)
-    closer.start()  # it waits for the turn in progress, which waits for the test
-    assert wait_until(lambda: loop._closing, 30)
-    backend.step.release(1)
-    closer.join(timeout=30)
-    assert not closer.is_alive() and loop.turns == 2  # no turn after the one in progress
-    with pytest.raises(RuntimeError, match="closed"):
-        answer.result(timeout=30)
-    assert loop.collection.groups == {} and closed == [True]
-    with pytest.raises(RuntimeError, match="closed"):
-        loop.take(1, step=1, run_id="r").result(timeout=30)
+    with sampling_loop(backend, tokenizer) as (loop, _):  # closed again at the end: no effect
+        loop.admit(tasks(0, [6]))
+        answer = loop.take(1, step=0, run_id="r")
+        backend.step.release(1)
+        assert wait_until(lambda: backend.entered == 2, 30)  # the second turn waits to run
+        env, closed = loop.collection.episodes[0].env, []
+        env.close = lambda: closed.append(True)  # type: ignore[method-assign]
+        closer = threading.Thread(target=loop.close)
+        closer.start()  # it waits for the turn in progress, which waits for the test
+        assert wait_until(lambda: loop._closing, 30)
+        backend.step.release(1)
+        closer.join(timeout=30)
+        assert not closer.is_alive() and loop.turns == 2  # no turn after the one in progress
+        with pytest.raises(RuntimeError, match="closed"):
+            answer.result(timeout=30)
+        assert loop.collection.groups == {} and closed == [True]
+        with pytest.raises(RuntimeError, match="closed"):
+            loop.take(1, step=1, run_id="r").result(timeout=30)
