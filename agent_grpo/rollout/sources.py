@@ -314,10 +314,15 @@ class RayRollouts:
         over). Otherwise nothing: the collections in flight are resubmitted on resume."""
         if self.config.rollout.partial is None:
             return None
-        return pickle.dumps(RayPartialState(self.stream.position, self.pool.held_tasks()))
+        # the tasks a resumed run has not handed out again yet are as much in flight
+        in_flight = sorted(self.stream.requeued + self.pool.held_tasks(),
+                           key=lambda t: (t.step, t.index))  # fmt: skip
+        return pickle.dumps(RayPartialState(self.stream.position, in_flight))
 
     def restore(self, state: bytes) -> None:
         """Continue the task stream of a checkpoint's `state()`, the groups in flight first."""
+        if self.config.rollout.partial is None:
+            raise ValueError("the checkpoint holds partial rollouts, but rollout.partial is off")
         saved = pickle.loads(state)
         if not isinstance(saved, RayPartialState):
             raise ValueError("the checkpoint holds partial rollouts of the trainer's own engine: "

@@ -110,6 +110,14 @@ def test_partial_rollouts_resume_on_the_kind_of_source_that_wrote_them(tokenizer
     again = RayRollouts(config, HeldPool([]))
     again.restore(state)
     assert (again.stream.position, again.stream.requeued) == (5, held)
+    # a checkpoint before the requeued tasks were all handed out again keeps the rest
+    later = StreamTask(1, 0, Task(env_id=config.env.id, seed=8))
+    again.pool = HeldPool([later])
+    resumed = RayRollouts(config, HeldPool([]))
+    resumed.restore(again.state() or b"")
+    assert resumed.stream.requeued == [*held, later]
+    with pytest.raises(ValueError, match=r"rollout\.partial is off"):
+        RayRollouts(TrainConfig.model_validate({}), HeldPool([])).restore(state)
     local_config = TrainConfig.model_validate({"rollout": {"partial": {}}})
     local = LocalRollouts(local_config, ScriptedBackend(tokenizer, ["x"]), tokenizer, [])
     with pytest.raises(ValueError, match="partial rollouts of Ray workers"):
