@@ -34,7 +34,7 @@ import dataclasses
 import io
 import pickle
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.rollout.collector import Collection, RolloutResult, Task, finish_metrics, replay_env
 from agent_grpo.rollout.step import step_tasks
 
-__all__ = ["PartialCollector", "StreamTask", "TaskStream"]
+__all__ = ["PartialCollector", "StreamTask", "TaskStream", "oldest_first"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,11 @@ class StreamTask:
     """Its place among that step's tasks."""
     task: Task
     """The task."""
+
+
+def oldest_first(tasks: Iterable[StreamTask]) -> list[StreamTask]:
+    """`tasks` in stream order: by the step they came from, then their place in it."""
+    return sorted(tasks, key=lambda t: (t.step, t.index))
 
 
 class TaskStream:
@@ -70,14 +75,13 @@ class TaskStream:
 
     def take(self, count: int) -> list[StreamTask]:
         """The next `count` tasks: the requeued ones first, then the stream's."""
-        again, self.requeued = self.requeued[: max(0, count)], self.requeued[max(0, count) :]
-        count -= len(again)
-        per_step = self.config.rollout.tasks_per_step
-        out: list[StreamTask] = list(again)
-        for p in range(self.position, self.position + max(0, count)):
+        count = max(0, count)
+        out, self.requeued = self.requeued[:count], self.requeued[count:]
+        per_step, fresh = self.config.rollout.tasks_per_step, count - len(out)
+        for p in range(self.position, self.position + fresh):
             step, index = divmod(p, per_step)
             out.append(StreamTask(step, index, step_tasks(self.config, step)[index]))
-        self.position += max(0, count)
+        self.position += fresh
         return out
 
 

@@ -51,7 +51,7 @@ from agent_grpo.rollout.collector import (
 from agent_grpo.rollout.config import BackendConfig, HFBackendConfig, RolloutConfig
 from agent_grpo.rollout.engine_weights import EngineSpec, start_engine
 from agent_grpo.rollout.env_pool import EnvPool
-from agent_grpo.rollout.partial import PartialCollector, StreamTask, TaskStream
+from agent_grpo.rollout.partial import PartialCollector, StreamTask, TaskStream, oldest_first
 from agent_grpo.rollout.streaming import SamplingLoop
 from agent_grpo.rollout.weight_sync import (
     GroupAddress,
@@ -399,8 +399,7 @@ class RayRolloutPool:
     def held_tasks(self) -> list[StreamTask]:
         """Partial rollouts: the tasks of every group handed to a worker and not yet returned
         (in flight, or finished and not yet collected), oldest first."""
-        held = [task for tasks in self.held.values() for task in tasks.values()]
-        return sorted(held, key=lambda t: (t.step, t.index))
+        return oldest_first(task for tasks in self.held.values() for task in tasks.values())
 
     def wait(self, pending: PendingCollection) -> RolloutResult:
         """The submitted collection's result. A block whose worker died (its actor killed, its

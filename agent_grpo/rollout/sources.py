@@ -43,7 +43,7 @@ from agent_grpo.rollout.backends.factory import rollout_limits
 from agent_grpo.rollout.collector import Collection, RolloutResult
 from agent_grpo.rollout.config import RayWorkers
 from agent_grpo.rollout.env_pool import EnvPool
-from agent_grpo.rollout.partial import PartialCollector, StreamTask, TaskStream
+from agent_grpo.rollout.partial import PartialCollector, StreamTask, TaskStream, oldest_first
 from agent_grpo.rollout.step import collect, collector_config, score, step_tasks
 
 __all__ = [
@@ -315,8 +315,7 @@ class RayRollouts:
         if self.config.rollout.partial is None:
             return None
         # the tasks a resumed run has not handed out again yet are as much in flight
-        in_flight = sorted(self.stream.requeued + self.pool.held_tasks(),
-                           key=lambda t: (t.step, t.index))  # fmt: skip
+        in_flight = oldest_first(self.stream.requeued + self.pool.held_tasks())
         return pickle.dumps(RayPartialState(self.stream.position, in_flight))
 
     def restore(self, state: bytes) -> None:

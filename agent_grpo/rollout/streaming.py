@@ -11,8 +11,8 @@ What this changes from `PartialCollector` driven by the worker's calls: there, t
 inside a step's call and a push waits behind the calls queued before it, so with
 `algo.max_staleness` k every turn a group carries into a later call is at least k + 1 versions
 old when trained (docs/scaling.md). Here a push reaches the engine at the next turn's start, so
-a turn is as old as the updates since it was sampled, and the engine never idles while the
-trainer updates.
+a turn is as old as the updates since it was sampled, and the engine does not wait for the
+trainer's update (it waits only when every group it holds has ended).
 
 Where we depart from peers: AReaL and verl's fully asynchronous rollouts can also interrupt a
 turn mid-generation; here a turn is one backend call for every episode in flight and is one
