@@ -20,6 +20,7 @@ from agent_grpo.envs.registry import make_env
 from agent_grpo.envs.text_env import heldout_seeds
 from agent_grpo.rollout.backends.base import GenerationBackend, SamplingConfig
 from agent_grpo.rollout.collector import CollectOptions, Task, collect_groups
+from agent_grpo.rollout.env_pool import EnvPool
 from agent_grpo.rollout.summary import TrajectorySummary, summarize_trajectories
 from agent_grpo.trajectory.record import TrajectoryRecord
 
@@ -111,9 +112,12 @@ def evaluate(
     step: int = 0,
     stop: Sequence[str] = (),
     progress: bool = True,
+    envs: EnvPool | None = None,
 ) -> tuple[EvalResult, list[TrajectoryRecord]]:
     """Run `samples` episodes on each held-out seed and summarise them (`progress`: a rollout
-    progress bar of its own; off inside a training run, whose display covers it)."""
+    progress bar of its own; off inside a training run, whose display covers it). Envs come
+    from `envs` (a training run's pool: `reusable` ones are reset, not built, and stay in it),
+    else are built for this call and closed at its end."""
     tasks = [Task(env_id=env_id, seed=s, env_kwargs=env_kwargs or {}) for s in seeds]
     sampling = SamplingConfig(
         temperature=temperature, max_tokens=max_tokens, seed=seed, stop=list(stop)
@@ -124,7 +128,7 @@ def evaluate(
         max_context_tokens=max_context_tokens,
         show_progress=progress,
     )
-    result = collect_groups(tasks, backend, tokenizer, options, step=step)
+    result = collect_groups(tasks, backend, tokenizer, options, step=step, envs=envs)
     return summarise_eval(result.records), result.records
 
 
@@ -147,11 +151,12 @@ def evaluate_heldout(
     seed: int,
     stop: Sequence[str],
     progress: bool = True,
+    envs: EnvPool | None = None,
 ) -> tuple[EvalResult, list[TrajectoryRecord]]:
     """`evaluate` on the first `eval_config.tasks` held-out seeds, as configured."""
     return evaluate(
         backend, tokenizer, env.id, heldout_seeds(eval_config.tasks), env_kwargs=env.kwargs,
         samples=eval_config.samples, temperature=eval_config.temperature,
         max_tokens=eval_config.max_tokens, max_context_tokens=max_context_tokens, seed=seed,
-        stop=stop, progress=progress,
+        stop=stop, progress=progress, envs=envs,
     )  # fmt: skip

@@ -13,6 +13,7 @@ from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.evaluation.heldout import EvalResult, evaluate_heldout
 from agent_grpo.logs import get_logger
 from agent_grpo.rollout.backends.base import GenerationBackend
+from agent_grpo.rollout.env_pool import EnvPool
 
 __all__ = ["print_summary", "run_eval"]
 
@@ -20,10 +21,15 @@ log = get_logger("train")
 
 
 def run_eval(
-    config: TrainConfig, backend: GenerationBackend, tokenizer: Any, stop: list[str], label: str
+    config: TrainConfig,
+    backend: GenerationBackend,
+    tokenizer: Any,
+    stop: list[str],
+    label: str,
+    envs: EnvPool | None = None,
 ) -> EvalResult | None:
-    """Evaluate on held-out seeds (None when evaluation is off); then the engine frees its
-    caches."""
+    """Evaluate on held-out seeds (None when evaluation is off), with envs from `envs` (the
+    run's pool) where given; then the engine frees its caches."""
     if config.eval is None:
         return None
     result, _ = evaluate_heldout(
@@ -35,6 +41,7 @@ def run_eval(
         seed=config.seed,
         stop=stop,
         progress=False,
+        envs=envs,
     )
     # Training comes next, and its warm start and update can use what the eval cached.
     backend.free_caches()

@@ -41,7 +41,8 @@ class EnvPool:
     """Envs by env id and kwargs: called like `make_env`, it hands out an idle env of the same
     id and kwargs where there is one, else builds one; `release` takes an env back when its
     episode is over (kept when its kind is `reusable`, closed otherwise); `close` closes the
-    idle ones. Safe to call from several threads (a rollout resets envs at once)."""
+    idle ones (so does leaving it as a context manager). Safe to call from several threads (a
+    rollout resets envs at once)."""
 
     def __init__(self, factory: EnvFactory = make_env) -> None:
         self.factory = factory
@@ -100,6 +101,12 @@ class EnvPool:
             self._idle.clear()
         for env in idle:
             close_quietly(env)
+
+    def __enter__(self) -> EnvPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def is_reusable(env: gymnasium.Env[Any, Any]) -> bool:

@@ -132,11 +132,18 @@ class LocalRollouts:
     the groups still running when a step has its groups continue into the next step."""
 
     def __init__(
-        self, config: TrainConfig, backend: GenerationBackend, tokenizer: Any, stop: list[str]
+        self,
+        config: TrainConfig,
+        backend: GenerationBackend,
+        tokenizer: Any,
+        stop: list[str],
+        envs: EnvPool | None = None,
     ) -> None:
         self.config, self.backend, self.tokenizer, self.stop = config, backend, tokenizer, stop
-        self.envs = EnvPool()
-        """The run's envs between episodes (`reusable` ones are reset, not built, each step)."""
+        self.envs = envs if envs is not None else EnvPool()
+        """The run's envs between episodes (`reusable` ones are reset, not built, each step);
+        a pool given here is its giver's to close (the run's, which evaluations share)."""
+        self._own_envs = envs is None
         self.partial: PartialCollector | None = None
         self.stream = TaskStream(config)
         if config.rollout.partial is not None:
@@ -197,7 +204,8 @@ class LocalRollouts:
         engine is the trainer's."""
         if self.partial is not None:
             self.partial.close()
-        self.envs.close()
+        if self._own_envs:
+            self.envs.close()
 
 
 @dataclass(frozen=True)
@@ -340,9 +348,10 @@ class RayRollouts:
 
 def build_rollouts(
     config: TrainConfig, backend: GenerationBackend, tokenizer: Any, stop: list[str],
-    model_path: str,
+    model_path: str, envs: EnvPool | None = None,
 ) -> RolloutSource:  # fmt: skip
-    """The rollout source `rollout.workers` asks for."""
+    """The rollout source `rollout.workers` asks for; rollouts on the trainer's engine take
+    their envs from `envs` (the run's pool) where given (Ray workers keep their own)."""
     if isinstance(config.rollout.workers, RayWorkers):
         return RayRollouts.start(config, model_path, stop)
-    return LocalRollouts(config, backend, tokenizer, stop)
+    return LocalRollouts(config, backend, tokenizer, stop, envs)

@@ -44,6 +44,7 @@ from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.evaluation.in_training import print_summary, run_eval
 from agent_grpo.faults import crash_point
 from agent_grpo.preflight import preflight_train
+from agent_grpo.rollout.env_pool import EnvPool
 from agent_grpo.rollout.sources import staleness
 from agent_grpo.run_dir.reader import AFTER_STEPS
 from agent_grpo.trainer.batch import PackedBatch, pack_records, token_versions
@@ -282,8 +283,9 @@ def train_checked(
     random.seed(config.seed)
     max_tokens = resolve_max_tokens(config)
     display = RunProgress(config.steps) if ctx.is_main else RunProgress.off()
-    with display as progress:
-        start = set_up(config, resume, ctx, progress)
+    # the run's envs (MCP servers, say), shared by its evaluations and rollouts, stop when it ends
+    with display as progress, EnvPool() as envs:
+        start = set_up(config, resume, ctx, progress, envs)
         if start.run is not None:
             record_changes(start.run.path, start.state.step, changes)
         try:
@@ -327,7 +329,8 @@ def _loop(
                 progress.phase(f"step {step}: held-out eval")
                 started = time.perf_counter()
                 metrics.heldout = run_eval(config, trainer.backend, trainer.tokenizer,
-                                           trainer.stop, f"after step {step}")  # fmt: skip
+                                           trainer.stop, f"after step {step}",
+                                           trainer.envs)  # fmt: skip
                 metrics.times.heldout_time_s = time.perf_counter() - started
             if run is not None:
                 record_step(run, config, metrics, records, trackers)
@@ -346,13 +349,14 @@ def _loop(
 
 
 def _finish(config: TrainConfig, start: RunStart, progress: RunProgress) -> None:
-    """The rollouts close (their envs before the evaluation's start), then the final
-    evaluation and the before/after table (rank 0), then the engine closes."""
+    """The rollouts close (Ray actors, partial episodes in flight), then the final evaluation
+    on the run's envs and the before/after table (rank 0), then the engine closes."""
     run, trainer, state = start.run, start.trainer, start.state
     _close_rollouts(start)
     if run is not None and trainer.backend is not None:
         progress.phase("final eval")
-        final = run_eval(config, trainer.backend, trainer.tokenizer, trainer.stop, "final")
+        final = run_eval(config, trainer.backend, trainer.tokenizer, trainer.stop, "final",
+                         trainer.envs)  # fmt: skip
         if final is not None:
             run.write_metrics(config.steps, final.row() | {AFTER_STEPS: config.steps})
         progress.close()  # the table goes below, not under a live display

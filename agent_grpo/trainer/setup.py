@@ -27,6 +27,7 @@ from agent_grpo.models.loading import load_model, load_tokenizer, resolve_model_
 from agent_grpo.rollout.backends.base import GenerationBackend
 from agent_grpo.rollout.backends.factory import build_backend, rollout_limits
 from agent_grpo.rollout.config import VLLMBackendConfig
+from agent_grpo.rollout.env_pool import EnvPool
 from agent_grpo.rollout.sources import build_rollouts
 from agent_grpo.run_dir.writer import RunWriter
 from agent_grpo.trainer import embedding_grad
@@ -82,10 +83,13 @@ class RunStart:
     """The step to start at and the evaluations made so far (restored on resume)."""
 
 
-def set_up(config: TrainConfig, resume: bool, ctx: DistContext, progress: RunProgress) -> RunStart:
+def set_up(
+    config: TrainConfig, resume: bool, ctx: DistContext, progress: RunProgress, envs: EnvPool
+) -> RunStart:
     """Build everything the loop needs. A fresh run evaluates the base model, warm-starts and
     evaluates again, then saves checkpoint 0, so a resume never repeats those; a resume restores
-    the newest checkpoint instead."""
+    the newest checkpoint instead. Evaluations and rollouts on the trainer's engine take their
+    envs from `envs`, which the caller closes."""
     run = open_run(config, resume) if ctx.is_main else None
     checkpoint = broadcast_object(run.latest_checkpoint() if run and resume else None, ctx)
     if run is not None and resume:  # exactly once: what ran after the checkpoint runs again
@@ -103,14 +107,14 @@ def set_up(config: TrainConfig, resume: bool, ctx: DistContext, progress: RunPro
     state = TrainerState(step=0)
     if checkpoint is None and backend is not None:  # a fresh run: base eval, warm start, eval
         progress.phase("base eval")
-        state.eval_before = run_eval(config, backend, tokenizer, stop, "base")
+        state.eval_before = run_eval(config, backend, tokenizer, stop, "base", envs)
         if config.warm_start is not None:
             progress.phase("warm start")
             losses = warm_start(config, policy, tokenizer, compute_dtype(config))
             log.info("warm start: %d steps, nll %.3f -> %.3f", len(losses), losses[0], losses[-1])
             backend.update_weights(engine_copy(policy, backend))
             progress.phase("warm start eval")
-            state.eval_warm_start = run_eval(config, backend, tokenizer, stop, "warm start")
+            state.eval_warm_start = run_eval(config, backend, tokenizer, stop, "warm start", envs)
     reference = make_reference(run, policy, config, resume and checkpoint is not None)
     policy, reference = share_models(policy, reference, config, ctx)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapter alone
@@ -118,11 +122,11 @@ def set_up(config: TrainConfig, resume: bool, ctx: DistContext, progress: RunPro
     in_backward = BackwardSteps(optimizer) if config.algo.speed.optimizer_in_backward else None
     rollouts = None
     if backend is not None and sampler is not None:
-        rollouts = build_rollouts(config, backend, tokenizer, stop, model_path)
+        rollouts = build_rollouts(config, backend, tokenizer, stop, model_path, envs)
     trainer = Trainer(
         policy=policy, reference=reference, optimizer=optimizer, tokenizer=tokenizer, stop=stop,
         backend=backend, sampler=sampler, ctx=ctx, mode=config.distributed.mode,
-        rollouts=rollouts, in_backward=in_backward,
+        rollouts=rollouts, in_backward=in_backward, envs=envs,
     )  # fmt: skip
     if checkpoint is not None:
         state = restore(checkpoint, trainer)

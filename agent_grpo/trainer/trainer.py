@@ -16,6 +16,7 @@ import torch
 from agent_grpo.rollout.backends.base import GenerationBackend
 from agent_grpo.rollout.collector import RolloutResult
 from agent_grpo.rollout.config import CanaryConfig
+from agent_grpo.rollout.env_pool import EnvPool
 from agent_grpo.rollout.sources import RolloutSource
 from agent_grpo.trainer.backward_steps import BackwardSteps
 from agent_grpo.trainer.canary import (
@@ -61,6 +62,9 @@ class Trainer:
     """With `algo.speed.optimizer_in_backward`, the hooks that step `optimizer` inside backward."""
     canary: Canary | None = None
     """The weight canary (`rollout.canary`), made from the first step's records; rank 0 only."""
+    envs: EnvPool | None = None
+    """The run's envs between episodes, which its held-out evaluations share with rollouts on
+    the trainer's engine (Ray workers keep their own); closed when the run ends."""
 
 
 def engine_copy(model: torch.nn.Module, backend: GenerationBackend) -> torch.nn.Module:

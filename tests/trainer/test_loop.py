@@ -174,21 +174,44 @@ def test_a_run_that_fails_closes_its_rollouts_and_the_envs_they_keep(
 ) -> None:
     """Envs kept between steps (an MCP server each, for some) stop when the run fails, not at
     interpreter exit; the run's own error is the one raised."""
+    from agent_grpo.rollout.env_pool import EnvPool
     from agent_grpo.rollout.sources import LocalRollouts
 
     collect, closed = LocalRollouts.collect, []
+    close = EnvPool.close
 
     def failing_collect(self: LocalRollouts, step: int, version: int):
         if step == 1:
             raise RuntimeError("the engine went away")
         return collect(self, step, version)
 
-    def close(self: LocalRollouts) -> None:
-        closed.append(self.envs.idle)  # step 0's envs, kept for step 1
-        self.envs.close()
+    def counting_close(self: EnvPool) -> None:
+        closed.append(self.idle)  # step 0's envs, kept for step 1
+        close(self)
 
     monkeypatch.setattr(LocalRollouts, "collect", failing_collect)
-    monkeypatch.setattr(LocalRollouts, "close", close)
+    monkeypatch.setattr(EnvPool, "close", counting_close)
     with pytest.raises(RuntimeError, match="the engine went away"):
         tiny_train(tmp_path, tiny_model_dir, "steps=3")
-    assert len(closed) == 1 and closed[0] > 0
+    assert closed == [4]  # the run's one pool: step 0's 2 tasks x 2
+
+
+def test_held_out_evaluations_reuse_the_runs_envs(tmp_path, tiny_model_dir, monkeypatch) -> None:
+    """The base, in-training and final evaluations and the steps take their envs from one pool,
+    which builds only as many as the most one collection holds at once (Calculator-v0 envs are
+    `reusable`), and closes them when the run ends."""
+    from agent_grpo.rollout.env_pool import EnvPool
+
+    pools: list[tuple[int, int]] = []
+    close = EnvPool.close
+
+    def counting_close(self: EnvPool) -> None:
+        pools.append((self.built, self.idle))
+        close(self)
+
+    monkeypatch.setattr(EnvPool, "close", counting_close)
+    evaluate = "eval={tasks: 3, samples: 2, max_tokens: 8, temperature: 1.0, every: 1}"
+    tiny_train(tmp_path, tiny_model_dir, EVEN, "steps=2", evaluate)
+    # three evaluations (base, after step 0, final) of 3 tasks x 2 and two steps of 2 x 2, from
+    # one pool of 6 envs: before, each evaluation built and closed 6 of its own
+    assert pools == [(6, 6)]
