@@ -46,8 +46,8 @@ from agent_grpo.rollout.context import (
     CompactObservations,
     ContextPolicy,
     StopAtLimit,
+    fitting_rewrite,
     load_summarizer,
-    rewrite_for,
     summary_request,
 )
 from agent_grpo.rollout.env_pool import EnvFactory, EnvKey, EnvPool, close_quietly, env_key
@@ -341,12 +341,8 @@ def _make_room(
         summarize = functools.partial(_policy_summary, backend, tokenizer, policy, seed)
     elif isinstance(policy, CompactObservations):
         summarize = load_summarizer(policy.summarizer)
-    messages: list[Message] = builder.context_messages
-    rewrite: dict[int, Message | None] = {}
-    for count in range(1, len(messages) + 1):
-        rewrite = rewrite_for(policy, messages, ep.prompt_count, count, summarize)
-        if not rewrite or builder.preview_length(rewrite) <= limit:
-            break
+    rewrite = fitting_rewrite(policy, builder.context_messages, ep.prompt_count,
+                              lambda r: builder.preview_length(r) <= limit, summarize)  # fmt: skip
     if rewrite:
         builder.replace_messages(rewrite, reason=policy.type)
 

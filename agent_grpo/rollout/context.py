@@ -3,7 +3,8 @@
 `stop` ends it (truncated, `max_context`), as before. The others rewrite the oldest tool
 observations, oldest first and only as many as the next turn needs: `drop` replaces each with a
 placeholder, `truncate` keeps its first characters, `compact` replaces them with one summary
-written by a function of the user's. Every rewrite goes through the token tree
+written by a function of the user's (each observation after the first becomes a one-line
+pointer to it, so every tool call still has a reply). Every rewrite goes through the token tree
 (`TokenBuilder.replace_messages`), so the episode forks: turns sampled before it keep their exact
 context and gradient in the branch they were sampled in, and later turns train in the rewritten
 one. The newest `keep_last` observations and every prompt message are never touched.
@@ -28,13 +29,16 @@ from agent_grpo.config.base import ConfigModel
 from agent_grpo.trajectory.record import Message
 
 __all__ = [
+    "COMPACTED",
     "CompactObservations",
     "ContextPolicy",
     "DropObservations",
     "StopAtLimit",
     "TruncateObservations",
     "first_lines",
+    "fitting_rewrite",
     "load_summarizer",
+    "rewritable",
     "rewrite_for",
     "summary_request",
 ]
@@ -43,6 +47,8 @@ POLICY_SUMMARIZER = "policy"
 """`summarizer: policy`: the policy being trained writes the summary."""
 SUMMARY_HEADER = "[summary of earlier tool outputs]"
 """The first line of every summary, so a reader (and the model) can tell it from an output."""
+COMPACTED = "[in the summary above]"
+"""What each compacted observation after the first (which holds the summary) becomes."""
 
 
 class StopAtLimit(ConfigModel):
@@ -84,8 +90,10 @@ class CompactObservations(ConfigModel):
     """The newest observations that are never rewritten."""
     summarizer: str = "agent_grpo.rollout.context:first_lines"
     """`module:function` called with the observations being compacted (a list of `Message`),
-    returning the summary's text; it takes the first observation's place, the others go.
-    `policy`: the policy writes it (`summary_prompt`, greedy)."""
+    returning the summary's text; it takes the first observation's place, and each of the
+    others becomes `[in the summary above]` (every tool call keeps a reply after it: templates
+    that rewrite assistant turns locate each between the messages around it). `policy`: the policy writes
+    it (`summary_prompt`, greedy)."""
     summary_prompt: str = (
         "Summarize the tool outputs below in a few short lines. Keep every number, name and "
         "fact a later step may need; drop everything else."
@@ -110,8 +118,15 @@ ContextPolicy = Annotated[
 
 
 def first_lines(messages: Sequence[Message]) -> str:
-    """The default summary: each compacted observation's first line, cut to 80 characters."""
-    lines = [(m.content.splitlines() or [""])[0][:80] for m in messages]
+    """The default summary: each compacted observation's first line, cut to 80 characters; an
+    earlier summary among them keeps its lines, and what it replaced (`COMPACTED`) adds none."""
+    lines: list[str] = []
+    for m in messages:
+        head, *rest = m.content.splitlines() or [""]
+        if head == SUMMARY_HEADER:  # compacted before: its lines already are first lines
+            lines += [line.removeprefix("- ") for line in rest]
+        elif m.content != COMPACTED:
+            lines.append(head[:80])
     return SUMMARY_HEADER + "\n" + "\n".join(f"- {line}" for line in lines)
 
 
@@ -134,6 +149,36 @@ def load_summarizer(path: str) -> Callable[[Sequence[Message]], str]:
     return function
 
 
+def rewritable(
+    policy: DropObservations | TruncateObservations | CompactObservations,
+    messages: Sequence[Message],
+    prompt_messages_count: int,
+) -> list[int]:
+    """Indices of the observations `policy` may rewrite, oldest first: every tool message after
+    the prompt but the newest `keep_last`."""
+    found = [i for i, m in enumerate(messages) if i >= prompt_messages_count and m.role == "tool"]
+    return found[: max(0, len(found) - policy.keep_last)]
+
+
+def fitting_rewrite(
+    policy: DropObservations | TruncateObservations | CompactObservations,
+    messages: Sequence[Message],
+    prompt_messages_count: int,
+    fits: Callable[[dict[int, Message | None]], bool],
+    summarize: Callable[[Sequence[Message]], str] | None = None,
+) -> dict[int, Message | None]:
+    """The rewrite of the fewest oldest observations that `fits` (the next turn fits the context
+    after it), else of all the rewritable ones; empty when no observation changes."""
+    rewrite: dict[int, Message | None] = {}
+    for count in range(1, len(rewritable(policy, messages, prompt_messages_count)) + 1):
+        rewrite = rewrite_for(policy, messages, prompt_messages_count, count, summarize)
+        # an empty rewrite (`truncate` with the oldest outputs short already) is no reason to
+        # stop: longer ones may come after them
+        if rewrite and fits(rewrite):
+            break
+    return rewrite
+
+
 def rewrite_for(
     policy: DropObservations | TruncateObservations | CompactObservations,
     messages: Sequence[Message],
@@ -142,12 +187,10 @@ def rewrite_for(
     summarize: Callable[[Sequence[Message]], str] | None = None,
 ) -> dict[int, Message | None]:
     """The rewrite of the `count` oldest rewritable observations of `messages` (fewer when there
-    are fewer): message index -> its replacement (None: dropped). Pure; the caller grows
-    `count` until the next turn fits or nothing is left to rewrite."""
-    candidates = [
-        i for i, m in enumerate(messages) if i >= prompt_messages_count and m.role == "tool"
-    ]
-    candidates = candidates[: max(0, len(candidates) - policy.keep_last)][:count]
+    are fewer): message index -> its replacement; empty when none of them changes (`truncate`:
+    all short already). Pure; the caller grows `count` until the next turn fits or every
+    rewritable observation is in."""
+    candidates = rewritable(policy, messages, prompt_messages_count)[:count]
     if not candidates:
         return {}
     if isinstance(policy, DropObservations):
@@ -164,6 +207,8 @@ def rewrite_for(
                 )
         return cut
     summary = (summarize or first_lines)([messages[i] for i in candidates])
-    out: dict[int, Message | None] = {i: None for i in candidates[1:]}
+    out: dict[int, Message | None] = {
+        i: messages[i].model_copy(update={"content": COMPACTED}) for i in candidates[1:]
+    }
     out[candidates[0]] = messages[candidates[0]].model_copy(update={"content": summary})
     return out

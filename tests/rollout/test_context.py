@@ -7,15 +7,18 @@ import pytest
 from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
+from agent_grpo.inspect.rewriting_templates import QWEN3_STYLE, THINKING_PROMPT, with_template
 from agent_grpo.rollout.backends.base import Generation, SamplingConfig
 from agent_grpo.rollout.collector import CollectOptions, Task, collect_groups
 from agent_grpo.rollout.config import RolloutConfig
 from agent_grpo.rollout.context import (
+    COMPACTED,
     SUMMARY_HEADER,
     CompactObservations,
     DropObservations,
     TruncateObservations,
     first_lines,
+    fitting_rewrite,
     rewrite_for,
     summary_request,
 )
@@ -53,11 +56,44 @@ def test_truncate_cuts_only_what_is_longer() -> None:
     }
 
 
-def test_compact_puts_one_summary_in_place_of_the_first_and_drops_the_rest() -> None:
+def test_compact_puts_one_summary_in_place_of_the_first_and_a_pointer_to_it_in_the_rest() -> None:
     rewrite = rewrite_for(CompactObservations(), CONVERSATION, 2, count=2)
-    assert rewrite[5] is None and rewrite[3] is not None and rewrite[3].role == "tool"
+    assert rewrite[3] is not None and rewrite[3].role == "tool"
     assert rewrite[3].content == first_lines([CONVERSATION[3], CONVERSATION[5]])
     assert rewrite[3].content.endswith("- one\n- two")
+    # a tool message stays after each call: templates that rewrite assistant turns need one
+    assert rewrite[5] == Message(role="tool", content=COMPACTED)
+
+
+def test_compacting_again_keeps_the_earlier_summary() -> None:
+    once = rewrite_for(CompactObservations(keep_last=0), CONVERSATION, 2, count=2)
+    conversation = [once.get(i, m) or m for i, m in enumerate(CONVERSATION)]
+    twice = rewrite_for(CompactObservations(keep_last=0), conversation, 2, count=3)
+    assert twice[3] is not None and twice[3].content == f"{SUMMARY_HEADER}\n- one\n- two\n- three"
+    assert twice[5] == twice[7] == Message(role="tool", content=COMPACTED)
+
+
+def test_the_search_goes_past_old_outputs_that_are_short_already() -> None:
+    # `truncate` leaves the oldest output ("42") as it is: the rewrite of it alone changes
+    # nothing, and the search must go on to the long ones after it, not give up
+    outputs = ["42", "x" * 500, "y" * 500, "newest"]
+    conversation = [SYSTEM, USER]
+    for text in outputs:
+        conversation += [
+            Message(role="assistant", content="call"),
+            Message(role="tool", content=text),
+        ]
+
+    def fits(rewrite: dict[int, Message | None]) -> bool:
+        kept = [rewrite.get(i, m) for i, m in enumerate(conversation)]
+        return sum(len(m.content) for m in kept if m is not None) < 300
+
+    policy = TruncateObservations(keep_last=1, max_chars=20)
+    rewrite = fitting_rewrite(policy, conversation, 2, fits)
+    assert sorted(rewrite) == [5, 7] and fits(rewrite)
+    nothing_fits = fitting_rewrite(policy, conversation, 2, lambda _: False)
+    assert sorted(nothing_fits) == [5, 7]  # all it can do, for the caller to try
+    assert fitting_rewrite(policy, conversation[:4], 2, fits) == {}  # nothing long to cut
 
 
 def test_a_summarizer_that_does_not_load_is_a_config_error() -> None:
@@ -101,6 +137,35 @@ def test_logs_episodes_under_each_policy(tokenizer: PreTrainedTokenizerBase, pol
     assert all(len(row.token_ids) <= 1100 for row in record.rows())
     # the record keeps every observation as it came back; the branches hold the rewrites
     assert sum(m.content.startswith("errors: ") for m in record.messages) == 3
+
+
+@pytest.mark.parametrize("template", [THINKING_PROMPT, QWEN3_STYLE], ids=["thinking", "qwen3"])
+def test_compaction_under_templates_that_rewrite_assistant_turns(
+    tokenizer: PreTrainedTokenizerBase, template: str
+) -> None:
+    # Qwen3-style templates drop older turns' reasoning; compacting two outputs or more once
+    # left two assistant turns side by side, which such a template's rewrite cannot be located
+    # between, and the collection failed with a ChatTemplateError
+    tok = with_template(tokenizer, template)
+    opened = "" if template == THINKING_PROMPT else "<think>\n"  # that one opens it itself
+    turns = [f"{opened}read it\n</think>\n\n{call}" for call in READS]
+    backend = ScriptedBackend(tok, [*turns, f"{opened}count\n</think>\n\nAnswer: 3"])
+    rollout = RolloutConfig.model_validate(
+        {
+            "group_size": 1,
+            "max_context_tokens": 800,
+            "context": {"type": "compact", "keep_last": 0},
+            "sampling": SamplingConfig(max_tokens=64),
+            "check_renders": True,
+        }
+    )
+    result = collect_groups([Task(env_id="agent_grpo/Logs-v0", seed=1)], backend, tok,
+                            CollectOptions.from_config(rollout))  # fmt: skip
+    record = result.records[0]
+    check_branch_renders(record, tok)
+    assert record.termination.reason == "final_answer" and len(record.turns) == 4
+    compacted = [m for f in record.forks for m in f.messages if m.content == COMPACTED]
+    assert compacted, "some compaction covered two outputs or more"
 
 
 class SummarizingBackend:
