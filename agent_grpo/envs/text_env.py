@@ -43,6 +43,7 @@ from agent_grpo.tools.formats import (
     ParsedToolCall,
     ToolCallFormat,
     ToolCallParseError,
+    after_reasoning,
     get_tool_format,
     parse_tool_calls,
 )
@@ -451,8 +452,9 @@ class ToolEnv(TextEnv[TaskT]):
         return render_call(self.tool_call_format, name, arguments)
 
     def respond(self, action: str) -> TurnOutcome:
-        """Run the turn's tool calls, or treat a turn without one as the final answer."""
-        calls = parse_tool_calls(action, self.tool_map, fmt=self.tool_call_format)
+        """Run the turn's tool calls (those after its reasoning: `after_reasoning`), or treat a
+        turn without one as the final answer (its whole text)."""
+        calls = parse_tool_calls(after_reasoning(action), self.tool_map, fmt=self.tool_call_format)
         if not calls:
             return TurnOutcome(final_answer=action)
         # Past the cap, calls are answered with an error instead of run: a turn of 500 `python`

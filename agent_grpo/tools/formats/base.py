@@ -46,6 +46,7 @@ __all__ = [
     "ToolCallFormat",
     "ToolCallParseError",
     "TypesArguments",
+    "after_reasoning",
     "arguments_call",
     "as_function",
     "call_from_object",
@@ -428,6 +429,25 @@ def _check_call(
             kind="invalid_arguments", message=message[:500], raw=call.raw, name=call.name
         )
     return call
+
+
+REASONING_OPEN, REASONING_CLOSE = "<think>", "</think>"
+"""The tags reasoning models (Qwen3, QwQ, DeepSeek-R1) put around a turn's reasoning."""
+
+
+def after_reasoning(text: str) -> str:
+    """A turn's text after its reasoning, where its calls are (what vLLM's Qwen3 and DeepSeek-R1
+    reasoning parsers hand the tool parser): after the first `</think>`; nothing for a turn that
+    opens `<think>` and never closes it (cut off while reasoning); else the whole text.
+
+    A call a model writes while it reasons (an example, a plan) is not a call. Two cases this
+    cannot tell apart, as those parsers cannot: a template that opens the reasoning in its
+    generation prompt (Qwen3-Thinking-2507, DeepSeek-R1) and a turn cut off before `</think>`
+    (its text reads as an answer), and a model without reasoning writing `</think>` itself."""
+    _, close, tail = text.partition(REASONING_CLOSE)
+    if close:
+        return tail
+    return "" if text.lstrip().startswith(REASONING_OPEN) else text
 
 
 def parse_tool_calls(
