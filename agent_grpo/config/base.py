@@ -22,6 +22,7 @@ __all__ = [
     "apply_overrides",
     "close_match",
     "load_config",
+    "named",
 ]
 
 
@@ -160,6 +161,12 @@ def anchor_file_names(value: Any, folder: Path) -> Any:
     if Path(value).exists() or not (folder / value).exists():
         return value  # the current directory first, as a reader of the file would look
     return str((folder / value).resolve())
+
+
+def named(config: C, name: str) -> C:
+    """A copy of a job config (one with a `run` section) whose `run.name` is `name`."""
+    run = config.run.model_copy(update={"name": name})  # type: ignore[attr-defined]
+    return config.model_copy(update={"run": run})
 
 
 def dump_config(config: ConfigModel) -> str:

@@ -181,7 +181,8 @@ class RunConfig(ConfigModel):
     root: str = "runs"
     """Directory holding run directories."""
     name: str = "run"
-    """Run name; the run directory is `{root}/{name}`."""
+    """Run name; the run directory is `{root}/{name}` (a name in use takes a timestamp:
+    `{name}-YYYYmmdd-HHMMSS`, which the stored config names)."""
     checkpoint_every: int = Field(default=0, ge=0)
     """Also save a checkpoint every N steps; 0: by `checkpoint_every_s` alone. A run always
     saves one before its first GRPO step (base eval and warm start done) and one at the end."""
@@ -210,6 +211,14 @@ class RunConfig(ConfigModel):
         if len(set(self.report_to)) != len(self.report_to):
             raise ValueError(f"run.report_to names a tracker twice: {self.report_to}")
         return self
+
+    @field_validator("name")
+    @classmethod
+    def _a_directory_under_root(cls, name: str) -> str:
+        parts = Path(name).parts
+        if not name.strip() or Path(name).is_absolute() or ".." in parts or "." in parts:
+            raise ValueError(f"run.name {name!r} must name a directory under run.root")
+        return name
 
 
 MOVED_TO_SPEED = "it moved to algo.speed (the switches that never change the result)"

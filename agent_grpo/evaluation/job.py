@@ -8,7 +8,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from agent_grpo.config.base import dump_config
+from agent_grpo.config.base import dump_config, named
 from agent_grpo.config.jobs import EvalRunConfig
 from agent_grpo.evaluation.heldout import env_stop_strings, evaluate_heldout
 from agent_grpo.models.loading import load_model, load_tokenizer, resolve_model_path
@@ -28,6 +28,10 @@ def run_eval_job(config: EvalRunConfig) -> Path:
 def run_checked_eval_job(config: EvalRunConfig) -> Path:
     """`run_eval_job` of a config `preflight_eval` has already checked (the CLI checks it before
     it imports this module)."""
+    # the run directory first: a name in use takes a timestamp, before the evaluation runs, so
+    # its results always have somewhere to go
+    run = RunWriter.create_fresh(config.run.root, config.run.name,
+                                 lambda taken: dump_config(named(config, taken)))  # fmt: skip
     path = resolve_model_path(config.model.name_or_path)
     tokenizer = load_tokenizer(path)
     model = load_model(path, dtype=getattr(torch, config.model.dtype)).eval()
@@ -45,7 +49,6 @@ def run_checked_eval_job(config: EvalRunConfig) -> Path:
         stop=stop,
     )
     backend.close()
-    run = RunWriter.create(config.run.root, run_id=config.run.name, config_text=dump_config(config))
     run.write_metrics(0, result.row())
     run.write_trajectories(0, records)
     table = Table(title=f"{config.model.name_or_path} on {config.env.id}")

@@ -92,8 +92,8 @@ class CompactObservations(ConfigModel):
     """`module:function` called with the observations being compacted (a list of `Message`),
     returning the summary's text; it takes the first observation's place, and each of the
     others becomes `[in the summary above]` (every tool call keeps a reply after it: templates
-    that rewrite assistant turns locate each between the messages around it). `policy`: the policy writes
-    it (`summary_prompt`, greedy)."""
+    that rewrite assistant turns locate each between the messages around it). `policy`: the
+    policy writes it (`summary_prompt`, greedy)."""
     summary_prompt: str = (
         "Summarize the tool outputs below in a few short lines. Keep every number, name and "
         "fact a later step may need; drop everything else."

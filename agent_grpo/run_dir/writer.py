@@ -58,6 +58,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import PydanticSerializationError
 
+from agent_grpo.config.base import ConfigError
 from agent_grpo.faults import crash_point
 from agent_grpo.logs import get_logger
 from agent_grpo.run_dir.manifest import (
@@ -402,6 +403,27 @@ class RunWriter:
         run._chained = True
         run._record(ConfigPiece(sha256=sha256_bytes((path / "config.yaml").read_bytes())))
         return run
+
+    @classmethod
+    def create_fresh(
+        cls, root: str | Path, name: str, config_text: Callable[[str], str], *, fsync: bool = False
+    ) -> RunWriter:
+        """A new run directory `root/name`, or where that exists `root/name-<time>` (then
+        `-2`, `-3`, ...): never one another run holds. `config_text(taken)` is the config it
+        stores, which names the directory taken (so the run resumes by that name)."""
+        root = Path(root)
+        if root.exists() and not root.is_dir():
+            raise ConfigError(f"run.root {root} is not a directory")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        candidates = [name, f"{name}-{stamp}", *(f"{name}-{stamp}-{n}" for n in range(2, 100))]
+        for taken in candidates:
+            if (root / taken).exists():
+                continue
+            try:
+                return cls.create(root, taken, config_text(taken), fsync=fsync)
+            except FileExistsError:  # another process took it since: the next one
+                continue
+        raise ConfigError(f"no free run directory for run.name {name!r} under {root}")
 
     @classmethod
     def open(cls, path: str | Path, *, fsync: bool = False) -> RunWriter:

@@ -10,14 +10,13 @@ engine and evaluates; the other ranks receive rank 0's weights (`share_models`).
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from agent_grpo.config.base import ConfigError, dump_config
+from agent_grpo.config.base import ConfigError, dump_config, named
 from agent_grpo.config.jobs import TrainConfig
 from agent_grpo.envs.registry import make_env
 from agent_grpo.evaluation.heldout import env_stop_strings
@@ -166,12 +165,15 @@ def open_run(config: TrainConfig, resume: bool) -> RunWriter:
     """The run directory: the existing one when resuming, else a new one with the config."""
     if resume:
         return RunWriter.open(Path(config.run.root) / config.run.name)
-    name = config.run.name
-    if (Path(config.run.root) / name).exists():  # never mix two runs' records in one directory
-        name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        log.warning("%s/%s exists; writing this run to %s/%s", config.run.root,
-                    config.run.name, config.run.root, name)  # fmt: skip
-    return RunWriter.create(config.run.root, run_id=name, config_text=dump_config(config))
+    # never mix two runs' records in one directory: a name in use takes a timestamp
+    run = RunWriter.create_fresh(config.run.root, config.run.name,
+                                 lambda taken: dump_config(named(config, taken)))  # fmt: skip
+    if run.run_id != config.run.name:
+        log.warning("%s/%s exists; writing this run to %s (resume it with --resume "
+                    "run.name=%s)", config.run.root, config.run.name, run.path,
+                    run.run_id)  # fmt: skip
+        config.run.name = run.run_id  # records name the run they are in
+    return run
 
 
 def resolve_max_tokens(config: TrainConfig) -> int:

@@ -82,6 +82,14 @@ def test_eval_and_envs(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert "success_rate" in done.stdout
     [row] = metrics(tmp_path / "eval-calculator")
     assert row["eval_tasks"] == 2.0
+    # again into the same name: a directory of its own, taken before it evaluates (it used to
+    # evaluate, then fail to create the taken directory and lose the results)
+    agent_grpo("eval", str(ROOT / "configs/eval-calculator.yaml"),
+               f"model.name_or_path={tiny_model_dir}", f"run.root={tmp_path}", "eval.tasks=1",
+               "eval.max_tokens=8", cwd=tmp_path)  # fmt: skip
+    [again] = [p for p in tmp_path.glob("eval-calculator-*") if p.is_dir()]
+    assert [r["eval_tasks"] for r in metrics(again)] == [1.0]
+    assert [r["eval_tasks"] for r in metrics(tmp_path / "eval-calculator")] == [2.0]
 
 
 def test_a_bad_config_key_is_a_clear_error(tmp_path: Path) -> None:
