@@ -159,7 +159,20 @@ def _load(source: DatasetSource) -> Any:
             if Path(name).is_file() and Path(name).stat().st_size == 0:
                 raise ValueError(f"the data file of split {split!r} is empty: {name}")
     path = source.path or _builder(files)
-    return datasets.load_dataset(path, source.name, data_files=files)
+    try:
+        return datasets.load_dataset(path, source.name, data_files=files)
+    except FileNotFoundError as error:
+        raise ValueError(f"dataset {path!r}: {_first_line(error)}") from None
+    except datasets.exceptions.DatasetGenerationError as error:
+        # a row that does not parse (a CSV row with a column too many, a JSON line cut short):
+        # the message that names it is the cause's
+        raise ValueError(f"dataset {path!r} does not load: {_first_line(error.__cause__ or error)}"
+                         ) from None  # fmt: skip
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message on one line, at most 300 characters."""
+    return " ".join(str(error).split())[:300] or type(error).__name__
 
 
 def _column(data: Any, split: str, name: str, field: str) -> list[Any]:
@@ -170,6 +183,8 @@ def _column(data: Any, split: str, name: str, field: str) -> list[Any]:
 
 
 def _reference(cell: Any, source: DatasetSource, row: int, split: str) -> str:
+    if cell is None:  # a row without the column, or null: never the reference "None"
+        raise ValueError(f"row {row} of {split!r} has no {source.answer_column!r} (answer_column)")
     text = str(cell).strip()
     if source.answer_pattern is not None:
         match = re.search(source.answer_pattern, text)

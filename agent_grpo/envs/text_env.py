@@ -297,6 +297,8 @@ class TextEnv(gym.Env[Messages, str], Generic[TaskT]):
         if render_mode is not None:
             raise ValueError("text environments have no render modes")
         self.max_turns = self.default_max_turns if max_turns is None else max_turns
+        if not isinstance(self.max_turns, int) or isinstance(self.max_turns, bool):
+            raise ValueError(f"max_turns must be a whole number, got {self.max_turns!r}")
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be at least 1, got {self.max_turns}")
         self.observation_space = MessagesSpace()

@@ -150,6 +150,31 @@ def test_mapping_errors_are_one_line_naming_what_there_is(tmp_path: Path, case: 
     assert re.search(message, str(error.value)), str(error.value)
 
 
+@pytest.mark.parametrize("row", [{"q": "What is 5 + 5?"}, {"q": "What is 5 + 5?", "a": None}],
+                         ids=["missing", "null"])  # fmt: skip
+def test_a_row_without_an_answer_is_one_line_never_the_reference_none(
+    tmp_path: Path, row: dict[str, Any]
+) -> None:
+    # `datasets` fills a missing cell with None, which once became the reference "None": the
+    # expert demonstrated `Answer: None` and the exact verifier rewarded it
+    with pytest.raises(ValueError, match=r"^row 1 of 'train' has no 'a' \(answer_column\)$"):
+        make_env("agent_grpo/Dataset-v0", **files(tmp_path, train=[TRAIN[0], row, *TRAIN[1:]]))
+
+
+def test_data_files_that_do_not_load_are_one_line(tmp_path: Path) -> None:
+    kwargs = files(tmp_path)
+    missing = {**kwargs["data_files"], "train": str(tmp_path / "nothere.jsonl")}
+    with pytest.raises(ValueError, match=r"^dataset 'json': Unable to find '.*nothere.jsonl'"):
+        make_env("agent_grpo/Dataset-v0", **{**kwargs, "data_files": missing})
+    (tmp_path / "train.csv").write_text("q,a\nWhat is 1 + 1?,2\nWhat is 2 + 2?,4,extra\n")
+    (tmp_path / "test.csv").write_text("q,a\nWhat is 3 + 3?,6\n")
+    csv = {"train": str(tmp_path / "train.csv"), "test": str(tmp_path / "test.csv")}
+    with pytest.raises(ValueError, match=r"^dataset 'csv' does not load: .*Expected 2 fields"
+                       ) as error:  # fmt: skip
+        make_env("agent_grpo/Dataset-v0", **{**kwargs, "data_files": csv})
+    assert "\n" not in str(error.value)
+
+
 def test_missing_heldout_rows_and_empty_training_are_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^the data file of split 'test' is empty: /"):
         make_env("agent_grpo/Dataset-v0", **files(tmp_path, test=[]))
