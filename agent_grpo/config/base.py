@@ -65,9 +65,29 @@ def close_match(word: str, choices: Iterable[str], cutoff: float = 0.7) -> str |
     return lowered[found[0]] if found else None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that sets one key twice (which it would
+    resolve silently to the last value: an `algo:` section written twice trains on one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is set twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def _parse_override_value(text: str) -> Any:
     """Parse the right-hand side of `key=value` the way YAML would (`3` is an int, `a` a str)."""
-    return yaml.safe_load(text) if text != "" else ""
+    return _load_yaml(text) if text != "" else ""
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -84,7 +104,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = _parse_override_value(value)
+        try:
+            node[parts[-1]] = _parse_override_value(value)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"override {item!r}: not a YAML value: {_yaml_problem(error)}"
+                              ) from None  # fmt: skip
     return out
 
 
@@ -136,11 +160,20 @@ def load_config(cls: type[C], path: str | Path, overrides: list[str] | None = No
     """Load a YAML file into `cls`, after applying `dotted.key=value` overrides."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = _load_yaml(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({error.reason} at byte "
+                          f"{error.start})") from None  # fmt: skip
+    except OSError as error:
+        raise ConfigError(f"config file {path} cannot be read: {error.strerror}") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(error)}") from None
+    if raw is None:  # not every default on purpose: `{}` says that
+        raise ConfigError(f"config file {path} is empty (write {{}} for every default)")
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     merged = apply_overrides(raw, overrides or [])

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from agent_grpo.algo.config import AlgoConfig, SpeedConfig
 from agent_grpo.config.base import ConfigModel, anchor_file_names
+from agent_grpo.envs.text_env import HELDOUT_SEEDS
 from agent_grpo.rewards import RewardSourceConfig
 from agent_grpo.rollout.config import (
     BackendConfig,
@@ -124,26 +125,26 @@ class EnvConfig(ConfigModel):
 class WarmStartConfig(ConfigModel):
     """Supervised warm start on the environment's expert trajectories (model tokens only)."""
 
-    demos: int = 64
+    demos: int = Field(default=64, ge=1)
     """Expert episodes to imitate."""
-    epochs: int = 1
+    epochs: int = Field(default=1, ge=1)
     """Passes over the demonstrations."""
-    batch_size: int = 8
+    batch_size: int = Field(default=8, ge=1)
     """Episodes per optimizer step."""
-    lr: float = 1e-4
+    lr: float = Field(default=1e-4, gt=0.0)
     """AdamW learning rate."""
 
 
 class EvalConfig(ConfigModel):
     """Evaluation on held-out seeds."""
 
-    tasks: int = 64
+    tasks: int = Field(default=64, ge=1, le=len(HELDOUT_SEEDS))
     """Held-out tasks to evaluate."""
-    samples: int = 1
+    samples: int = Field(default=1, ge=1)
     """Samples per task (k of pass@k)."""
-    temperature: float = 0.0
+    temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature; 0 is greedy."""
-    max_tokens: int = 96
+    max_tokens: int = Field(default=96, ge=1)
     """Most tokens per assistant turn."""
 
 
@@ -166,7 +167,7 @@ class DistributedConfig(ConfigModel):
     """`none`: one process. `ddp`: every rank holds the whole model and gradients are averaged.
     `fsdp`: FSDP2 shards each decoder layer over the ranks. ddp and fsdp need
     `torchrun --nproc_per_node N -m agent_grpo.cli train ...` with N >= 2."""
-    timeout_s: float = 3600.0
+    timeout_s: float = Field(default=3600.0, gt=0.0)
     """How long a rank waits in a collective (e.g. for rank 0's rollouts and evaluations)."""
 
 

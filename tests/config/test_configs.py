@@ -80,6 +80,19 @@ VLLM_WORKERS = ["rollout.workers={type: ray}", "rollout.backend={type: vllm}"]
         (["algo.minibatches=5"], "some minibatches"),
         (["model.device=gpu"], "model.device"),
         (["algo.epochs=0"], "algo.epochs"),
+        # values that once passed and then crashed after the base eval, never ended or
+        # sampled the least likely token
+        (["warm_start={epochs: 0}"], "warm_start.epochs: Input should be greater than or equal"),
+        (["warm_start={batch_size: 0}"], "warm_start.batch_size"),
+        (["eval.tasks=-3"], "eval.tasks: Input should be greater than or equal to 1"),
+        (["eval.tasks=2000000"], "eval.tasks: Input should be less than or equal to 1000000"),
+        (["eval.samples=0"], "eval.samples"),
+        (["rollout.sampling.temperature=-1"], "rollout.sampling.temperature"),
+        (["rollout.sampling.top_p=0"], "rollout.sampling.top_p"),
+        (["rollout.sampling.max_tokens=0"], "rollout.sampling.max_tokens"),
+        (["distributed.timeout_s=-1"], "distributed.timeout_s"),
+        (["run.name="], "run.name '' must name a directory under run.root"),
+        (["run.name=../elsewhere"], "must name a directory under run.root"),
         (["rollout.workers={type: ray, resources: {CPU: 1}}"], "Ray's own resource 'CPU'"),
         (["rollout.workers={type: ray, resources: {node: 0}}"], "with a positive amount"),
         (["rollout.workers={type: ray, weight_sync: nccl}"], "weight_sync"),
@@ -155,3 +168,34 @@ def test_only_the_file_names_an_env_declares_are_read_beside_the_config(
     config = load_config(cls, path)
     full = str((tmp_path / "project" / "data" / "rows.jsonl").resolve())
     assert config.env.kwargs["data_files"] == (full if anchored else "data/rows.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("content", "overrides", "message"),
+    [
+        (b"steps: 2\nalgo: {lr: 1.0e-5}\nalgo: {lr: 5.0}\n", [],
+         r"is not valid YAML: the key 'algo' is set twice at line 3, column 1$"),
+        (b"", [], r"is empty \(write \{\} for every default\)$"),
+        (b"steps: 2\n# \xff\xfe\n", [], r"is not UTF-8 text \(invalid start byte at byte 11\)$"),
+        (b"steps: 2\n", ["a.b.c=["], r"^override 'a.b.c=\[': not a YAML value: expected the node"),
+        (b"steps: 2\n", ["algo={lr: 1, lr: 2}"],
+         r"^override 'algo=\{lr: 1, lr: 2\}': not a YAML value: the key 'lr' is set twice"),
+    ],
+    ids=["duplicate-key", "empty", "not-utf8", "override-yaml", "override-duplicate-key"],
+)  # fmt: skip
+def test_a_config_file_that_does_not_read_as_one_mapping_is_one_line(
+    tmp_path, content: bytes, overrides: list[str], message: str
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=message) as error:
+        load_config(TrainConfig, path, overrides)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match=r"is a directory$"):
+        load_config(TrainConfig, tmp_path)
+    assert load_config(TrainConfig, write(tmp_path / "defaults.yaml", "{}")).steps >= 0
+
+
+def write(path, text: str):  # type: ignore[no-untyped-def]
+    path.write_text(text)
+    return path

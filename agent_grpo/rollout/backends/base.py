@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from pydantic import Field
+
 from agent_grpo.config.base import ConfigModel
 
 if TYPE_CHECKING:  # a config names sampling settings without loading torch
@@ -28,13 +30,13 @@ __all__ = ["Generation", "GenerationBackend", "SamplingConfig"]
 class SamplingConfig(ConfigModel):
     """How tokens are sampled for one assistant turn."""
 
-    temperature: float = 1.0
+    temperature: float = Field(default=1.0, ge=0.0)
     """Softmax temperature; 0 means greedy."""
-    top_p: float = 1.0
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass; 1.0 disables it."""
-    top_k: int = 0
+    top_k: int = Field(default=0, ge=0)
     """Keep only the k most likely tokens; 0 disables it."""
-    max_tokens: int = 256
+    max_tokens: int = Field(default=256, ge=1)
     """Most tokens sampled in one assistant turn."""
     stop: list[str] = []
     """Strings that end a turn (kept in the output), for example `</tool_call>`."""
