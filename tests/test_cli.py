@@ -57,3 +57,10 @@ def test_a_lazy_subcommand_parses_in_full_when_asked_for() -> None:
 def test_train_takes_overrides_on_either_side_of_resume(argv: list[str]) -> None:
     args = cli.parse_args(cli.build_parser("train"), argv)
     assert args.resume and args.config == "c.yaml" and args.overrides == ["steps=3", "seed=1"]
+
+
+@pytest.mark.parametrize("command", ["replay", "inspect", "export"])
+def test_a_folder_that_holds_no_run_is_one_line(tmp_path, capsys, command: str) -> None:
+    assert cli.main([command, str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {tmp_path} is not a run directory (no trajectories/ or metrics)\n"

@@ -82,6 +82,7 @@ from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = [
     "IndexEntry",
+    "NotARunDirectory",
     "RecordFilter",
     "RunDirWriteError",
     "RunWriter",
@@ -153,6 +154,10 @@ class RecordFilter(BaseModel):
             or (self.reward_min is not None and entry.reward < self.reward_min)
             or (self.reward_max is not None and entry.reward > self.reward_max)
         )
+
+
+class NotARunDirectory(FileNotFoundError):
+    """A path given as a run directory holds no run (no `trajectories/`, no metrics)."""
 
 
 class RunDirWriteError(OSError):
@@ -430,7 +435,7 @@ class RunWriter:
         """Open an existing run directory."""
         path = Path(path)
         if not (path / "trajectories").is_dir() and not (path / "metrics.jsonl").is_file():
-            raise FileNotFoundError(f"{path} is not a run directory (no trajectories/ or metrics)")
+            raise NotARunDirectory(f"{path} is not a run directory (no trajectories/ or metrics)")
         return cls(path, fsync=fsync)
 
     @property
