@@ -208,13 +208,17 @@ def _user_errors() -> tuple[type[Exception], ...]:
     and a config mistake stay light."""
     from agent_grpo.models.loading import CorruptModelError, ModelFetchError, ModelNotFoundError
     from agent_grpo.rollout.collector import EnvStepError, PromptTooLongError
-    from agent_grpo.run_dir.writer import NotARunDirectory, RunDirWriteError
+    from agent_grpo.run_dir.writer import (
+        DamagedCheckpointError,
+        NotARunDirectory,
+        RunDirWriteError,
+    )
     from agent_grpo.trajectory.tokens import ChatTemplateError
 
     # RunDirWriteError: a full disk; the run directory stays readable and resumable.
     return (ConfigError, ModelNotFoundError, ModelFetchError, CorruptModelError,
             ChatTemplateError, EnvStepError, PromptTooLongError, RunDirWriteError,
-            NotARunDirectory)  # fmt: skip
+            NotARunDirectory, DamagedCheckpointError)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ from agent_grpo.run_dir.manifest import (
 from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = [
+    "DamagedCheckpointError",
     "IndexEntry",
     "NotARunDirectory",
     "RecordFilter",
@@ -158,6 +159,10 @@ class RecordFilter(BaseModel):
 
 class NotARunDirectory(FileNotFoundError):
     """A path given as a run directory holds no run (no `trajectories/`, no metrics)."""
+
+
+class DamagedCheckpointError(ValueError):
+    """The newest checkpoint lacks files its manifest entry lists (not a prune's doing)."""
 
 
 class RunDirWriteError(OSError):
@@ -667,9 +672,19 @@ class RunWriter:
         self._chain_tail()  # a torn last entry goes first
         lines = parse_manifest(self._manifest.read_bytes())
         state = replay_state([line.entry.piece for line in lines if line.entry is not None])
+        newest = max(state.checkpoints, default=None)
         for step, piece in state.checkpoints.items():
             folder = self.checkpoint_dir(step)
-            if not all((folder / name).is_file() for name in piece.files):
+            missing = [name for name in piece.files if not (folder / name).is_file()]
+            if missing and step == newest and folder.is_dir():
+                # a prune never touches the newest: files went missing some other way, and
+                # what is left is the user's to decide on, not ours to delete
+                raise DamagedCheckpointError(
+                    f"the newest checkpoint {folder} is missing {', '.join(missing[:3])}"
+                    f"{' ...' if len(missing) > 3 else ''}: put them back, or move the folder "
+                    "away to resume from the checkpoint before it"
+                )
+            if missing:
                 log.warning("%s: half deleted by a prune; deleting the rest", folder)
                 shutil.rmtree(folder, ignore_errors=True)
                 self._record(CheckpointRemoved(step=step))

@@ -307,6 +307,29 @@ def test_a_prune_killed_half_way_is_finished_on_resume(
     assert not (run / "checkpoints/step_000002").exists()
 
 
+@pytest.mark.slow
+def test_a_resume_never_deletes_the_newest_checkpoint_that_lost_a_file(
+    run: Path, capsys: pytest.CaptureFixture[str], tiny_model_dir: Path
+) -> None:
+    # a prune never touches the newest checkpoint: a file gone from it went some other way (a
+    # user saving disk space), and the rest is left for the user; the resume refuses in one line
+    from agent_grpo.cli import main
+    from agent_grpo.run_dir.writer import DamagedCheckpointError
+
+    newest = run / "checkpoints/step_000003"
+    (newest / "trainer.pt").unlink()
+    before = sorted(p.relative_to(run) for p in newest.rglob("*"))
+    with pytest.raises(DamagedCheckpointError, match=r"step_000003 is missing trainer.pt: put "):
+        RunWriter.open(run).rollback_to(3)
+    assert sorted(p.relative_to(run) for p in newest.rglob("*")) == before
+    assert (run / "checkpoints/step_000002").is_dir()
+    code = main(["train", str(ROOT / "configs/calculator-tiny.yaml"), f"run.root={run.parent}",
+                 f"model.name_or_path={tiny_model_dir}", "run.name=base", *SETTINGS,
+                 "--resume", "--accept-config-change"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "is missing trainer.pt" in err[0], err
+
+
 # The key
 
 
