@@ -25,8 +25,16 @@ import yaml
 
 from agent_grpo.config.base import ConfigError
 from agent_grpo.config.jobs import TrainConfig
+from agent_grpo.run_dir.writer import RunWriter
 
-__all__ = ["FREE_KEYS", "ConfigChange", "check_resume", "config_changes", "record_changes"]
+__all__ = [
+    "FREE_KEYS",
+    "ConfigChange",
+    "check_resume",
+    "checkpoint_step",
+    "config_changes",
+    "record_changes",
+]
 
 FREE_KEYS = frozenset(
     {
@@ -98,7 +106,34 @@ def check_resume(config: TrainConfig, *, accept_config_change: bool) -> list[Con
             "config, or pass --accept-config-change to continue with these changes (recorded "
             f"in {CHANGES_FILE})"
         )
+    done = checkpoint_step(path)
+    if done is not None and done > config.steps:
+        # the loop would not run, and the final evaluation would be written as that of a
+        # policy `steps` steps in, which has trained more
+        raise ConfigError(
+            f"cannot resume {path} with steps={config.steps}: its newest checkpoint is after "
+            f"step {done}; set steps to {done} or more"
+        )
     return changed
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The steps done by the newest checkpoint of the run at `path` (None: no checkpoint); a
+    `state.json` that does not read is one line naming it."""
+    newest = RunWriter(path).latest_checkpoint()
+    if newest is None:
+        return None
+    try:
+        step = json.loads((newest / "state.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        step, problem = None, f"{type(error).__name__}: {error}"
+    else:
+        problem = "" if isinstance(step, int) else f"step {step!r}"
+    if problem or step is None:
+        raise ConfigError(f"cannot resume {path}: {newest / 'state.json'} does not read "
+                          f"({problem[:120]}); move that checkpoint folder away to resume from "
+                          "the one before it")  # fmt: skip
+    return int(step)
 
 
 def record_changes(run_path: Path, at_step: int, changes: list[ConfigChange]) -> None:

@@ -102,3 +102,28 @@ def test_the_cli_refuses_a_changed_resume_and_records_an_accepted_one(
     assert entry["step"] == 1
     assert entry["changes"] == [{"key": "algo.lr", "old": 1e-05, "new": 3e-05}]
     assert (tmp_path / "r" / "config.yaml").read_text() == config  # what the run started with
+
+
+def _checkpoint(tmp_path: Path, step: int, state: str) -> Path:
+    folder = tmp_path / "r" / "checkpoints" / f"step_{step:06d}"
+    folder.mkdir(parents=True)
+    (folder / "state.json").write_text(state)
+    return folder
+
+
+def test_fewer_steps_than_the_newest_checkpoint_has_done_are_refused(tmp_path: Path) -> None:
+    # the loop would not run, and the final evaluation would be recorded as that of a policy
+    # 2 steps in, which has trained 3
+    _stored_run(tmp_path, _config(tmp_path, steps=3))
+    _checkpoint(tmp_path, 3, json.dumps({"step": 3}))
+    with pytest.raises(ConfigError, match=r"with steps=2: its newest checkpoint is after step 3"):
+        check_resume(_config(tmp_path, steps=2), accept_config_change=False)
+    assert check_resume(_config(tmp_path, steps=3), accept_config_change=False) == []
+
+
+def test_a_newest_checkpoint_whose_state_does_not_read_is_one_line(tmp_path: Path) -> None:
+    _stored_run(tmp_path, _config(tmp_path))
+    folder = _checkpoint(tmp_path, 2, '{"step": 2, "eval_bef')  # cut short
+    unreadable = rf"{folder}/state.json does not read \(JSONDecodeError: "
+    with pytest.raises(ConfigError, match=unreadable):
+        check_resume(_config(tmp_path), accept_config_change=False)
