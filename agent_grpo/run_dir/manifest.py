@@ -129,6 +129,9 @@ class RollbackPiece(_Piece):
     """Piece kind."""
     step: int
     """First step forgotten."""
+    kept: list[str] = []
+    """sha256 of the metrics rows of steps >= `step` the rollback kept: evaluations of the
+    policy the checkpoint holds (a finished run's final one, when it goes on to train more)."""
 
 
 Piece = Annotated[
@@ -248,7 +251,9 @@ def replay_state(pieces: Sequence[Piece]) -> RunState:
         elif isinstance(piece, CheckpointRemoved):
             state.checkpoints.pop(piece.step, None)
         else:  # a rollback forgets what `RunWriter.rollback_to` deleted; checkpoints stay
-            state.metrics = [m for m in state.metrics if m.step < piece.step]
+            state.metrics = [
+                m for m in state.metrics if m.step < piece.step or m.sha256 in piece.kept
+            ]
             state.trajectories = {s: v for s, v in state.trajectories.items() if s < piece.step}
     return state
 

@@ -601,22 +601,31 @@ class RunWriter:
         os.replace(tmp, self.path / "index.jsonl")
         return len(entries)
 
-    def rollback_to(self, step: int) -> None:
+    def rollback_to(self, step: int, keep: Callable[[dict[str, Any]], bool] | None = None) -> None:
         """Forget everything from step `step` on: the state a checkpoint taken after `step`
         completed steps describes. Resuming calls it first, so a step that ran after the last
         checkpoint (wholly or in part) is recorded exactly once, when it runs again.
 
-        Metrics rows of steps >= `step` (the final evaluation's row included) and the index
-        entries pointing there are dropped by an atomic rewrite; their trajectory files are
-        deleted. Each file is rewritten to a temp name and renamed, so a crash during the
-        rollback leaves either the old or the new file, and the rollback can simply run again.
+        Metrics rows of steps >= `step` (the final evaluation's row included, unless `keep`
+        says to keep the row) and the index entries pointing there are dropped by an atomic
+        rewrite; their trajectory files are deleted. Each file is rewritten to a temp name and
+        renamed, so a crash during the rollback leaves either the old or the new file, and the
+        rollback can simply run again.
         """
         self._reconcile_checkpoints()
         metrics = self.path / "metrics.jsonl"
+        later_kept: list[str] = []
         if metrics.exists():
             # The kept rows' bytes unchanged: the manifest holds the hash of each line.
-            rows = _split_lines(metrics.read_bytes())
-            kept = [line for _, line, whole in rows if whole and _row_step(line, step) < step]
+            kept = []
+            for _, line, whole in _split_lines(metrics.read_bytes()):
+                if not whole:
+                    continue
+                if _row_step(line, step) < step:
+                    kept.append(line)
+                elif keep is not None and keep(_row(line)):
+                    kept.append(line)
+                    later_kept.append(sha256_bytes(line))
             _replace_lines(metrics, [line.decode() for line in kept])
         index = self.path / "index.jsonl"
         if index.exists():
@@ -624,7 +633,7 @@ class RunWriter:
             _replace_lines(index, [e.model_dump_json() for e in entries])
         for later in (s for s in self.steps() if s >= step):
             self.trajectory_file(later).unlink()
-        self._record(RollbackPiece(step=step))
+        self._record(RollbackPiece(step=step, kept=later_kept))
 
     # The manifest
 
@@ -852,13 +861,23 @@ def _trajectory_piece(
     )
 
 
+def _row(line: bytes) -> dict[str, Any]:
+    """A metrics line's row; {} when it is not a JSON object."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
 def _row_step(line: bytes, default: int) -> int:
     """A metrics line's step; `default` (dropped by a rollback to it) when it does not parse."""
     try:
         obj = json.loads(line)
     except ValueError:
         return default
-    return int(obj.get("step", 0)) if isinstance(obj, dict) else default
+    step = obj.get("step", 0) if isinstance(obj, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else default
 
 
 def _records_in(path: Path) -> Iterator[TrajectoryRecord]:

@@ -10,6 +10,7 @@ engine and evaluates; the other ranks receive rank 0's weights (`share_models`).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from agent_grpo.rollout.backends.factory import build_backend, rollout_limits
 from agent_grpo.rollout.config import VLLMBackendConfig
 from agent_grpo.rollout.env_pool import EnvPool
 from agent_grpo.rollout.sources import build_rollouts
+from agent_grpo.run_dir.reader import AFTER_STEPS, is_step_row
 from agent_grpo.run_dir.writer import RunWriter
 from agent_grpo.trainer import embedding_grad
 from agent_grpo.trainer.backward_steps import BackwardSteps
@@ -92,7 +94,8 @@ def set_up(
     run = open_run(config, resume) if ctx.is_main else None
     checkpoint = broadcast_object(run.latest_checkpoint() if run and resume else None, ctx)
     if run is not None and resume:  # exactly once: what ran after the checkpoint runs again
-        run.rollback_to(0 if checkpoint is None else read_state(checkpoint).step)
+        done = 0 if checkpoint is None else read_state(checkpoint).step
+        run.rollback_to(done, _its_evaluations(done) if config.steps > done else None)
     model_path = model_source(config, checkpoint, ctx)
     tokenizer = load_tokenizer(model_path)
     policy = load_policy(config, checkpoint, ctx).to(ctx.device).eval()
@@ -135,6 +138,13 @@ def set_up(
     if rollouts is not None and sampler is not None:  # the policy GRPO starts (or resumes) from
         rollouts.push(sampler, state.step)
     return RunStart(run=run, trainer=trainer, state=state)
+
+
+def _its_evaluations(done: int) -> Callable[[dict[str, Any]], bool]:
+    """Which metrics rows a resume that trains past a checkpoint of `done` steps keeps: the
+    evaluations of that checkpoint's policy (a finished run's final one), which it never
+    repeats; a resume that does not train on evaluates that policy again and drops them."""
+    return lambda row: not is_step_row(row) and row.get(AFTER_STEPS) == done
 
 
 def build_engine(

@@ -330,6 +330,32 @@ def test_a_resume_never_deletes_the_newest_checkpoint_that_lost_a_file(
     assert code == 2 and len(err) == 1 and "is missing trainer.pt" in err[0], err
 
 
+@pytest.mark.slow
+def test_training_a_finished_run_further_keeps_its_final_evaluation(
+    run: Path, capsys: pytest.CaptureFixture[str], tiny_model_dir: Path
+) -> None:
+    # the evaluation of the 3-step policy is a record of that policy: a resume that trains on
+    # to 4 steps keeps it (it once dropped it with the rows after the checkpoint), the manifest
+    # knows it kept it, and the new final evaluation comes after
+    from agent_grpo.cli import main
+    from agent_grpo.run_dir.reader import load_run
+
+    def evaluations() -> list[tuple[int, int]]:
+        rows = [json.loads(line) for line in _lines(run / "metrics.jsonl")]
+        return [(r["step"], r["eval_after_steps"]) for r in rows if "eval_after_steps" in r]
+
+    assert evaluations() == [(3, 3)]
+    code = main(["train", str(ROOT / "configs/calculator-tiny.yaml"), f"run.root={run.parent}",
+                 f"model.name_or_path={tiny_model_dir}", "run.name=base",
+                 *[s if s != "steps=3" else "steps=4" for s in SETTINGS], "--resume",
+                 "--accept-config-change"])  # fmt: skip
+    assert code == 0
+    assert evaluations() == [(3, 3), (4, 4)]
+    final = load_run(run).final_eval()
+    assert final is not None and final["after_steps"] == 4
+    assert _verify(run, capsys)[0] == 0
+
+
 # The key
 
 

@@ -387,3 +387,14 @@ def test_cli_reports_a_full_disk_as_one_line_and_exit_2(
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: cannot write ") and "metrics.jsonl: disk full (ENOSPC)" in err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_rollback_drops_metrics_rows_whose_step_is_not_a_number(tmp_path: Path) -> None:
+    run = RunWriter.create(tmp_path, run_id="r")
+    run.write_metrics(0, {"reward_mean": 0.5})
+    run.write_metrics(1, {"reward_mean": 0.7})
+    with open(run.path / "metrics.jsonl", "a") as f:  # edited by hand, or by a broken tool
+        f.write('{"step": null, "reward_mean": 1}\n{"step": "2"}\n[1, 2]\n')
+    run.rollback_to(1)  # once a TypeError
+    rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 0, "reward_mean": 0.5}]
