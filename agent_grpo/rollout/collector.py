@@ -393,7 +393,7 @@ def _step_env(ep: _Episode, env: gymnasium.Env[Any, Any] | None = None) -> _Step
     env = ep.env if env is None else env
     assert env is not None, "an episode in flight has its env"
     started = time.perf_counter()
-    obs, reward, terminated, truncated, info = env.step(ep.builder.messages[-1].content)
+    obs, reward, terminated, truncated, info = env.step(ep.builder.actions[-1])
     return obs, float(reward), bool(terminated), bool(truncated), info, started
 
 
@@ -451,7 +451,7 @@ def replay_env(
     env = env_factory(ep.task.env_id, **ep.task.env_kwargs)
     try:
         env.reset(seed=ep.task.seed)
-        actions = [m.content for m in ep.builder.messages if m.role == "assistant"]
+        actions = ep.builder.actions
         for action in actions[:-1] if skip_last else actions:
             env.step(action)
     except BaseException:

@@ -114,6 +114,9 @@ def test_a_sampled_eos_that_is_not_the_turn_end_is_content(
     check_invariants(builder_record(builder), tok)
     reference = render_reference(tok, builder.messages, [ids], prompt_messages_count=len(PROMPT))
     assert reference == (builder.token_ids, builder.provenance)
+    # what the env acts on is the model's words: an exact-match verifier once saw "5<eos>"
+    again = builder.add_model_turn([*tok.encode("6", add_special_tokens=False), turn_end], [-1, -1])
+    assert builder.actions == ["5", "6"] and again.model_text == "6"
 
 
 def test_a_template_closing_turns_unlike_how_they_ended_forks(
