@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 __all__ = [
     "ConfigError",
@@ -26,6 +26,10 @@ __all__ = [
 ]
 
 
+_NUMBERS = (int, float, int | None, float | None)
+"""Field types a YAML `true`/`false` never stands for."""
+
+
 class ConfigModel(BaseModel):
     """Base for every config: strict keys, field docstrings become field descriptions."""
 
@@ -35,6 +39,17 @@ class ConfigModel(BaseModel):
         validate_default=True,
         protected_namespaces=(),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, data: Any) -> Any:
+        # pydantic reads `true` as 1 for an int field: `steps=true` would train one step
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name) if isinstance(name, str) else None
+                if isinstance(value, bool) and field is not None and field.annotation in _NUMBERS:
+                    raise ValueError(f"{name} is {str(value).lower()}, not a number")
+        return data
 
     retired_keys: ClassVar[dict[str, str]] = {}
     """Dotted keys this config no longer takes -> what to do instead: a config that still sets

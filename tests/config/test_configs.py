@@ -93,6 +93,8 @@ VLLM_WORKERS = ["rollout.workers={type: ray}", "rollout.backend={type: vllm}"]
         (["distributed.timeout_s=-1"], "distributed.timeout_s"),
         (["run.name="], "run.name '' must name a directory under run.root"),
         (["run.name=../elsewhere"], "must name a directory under run.root"),
+        (["steps=true"], "steps is true, not a number"),  # pydantic's lax mode: one step
+        (["algo.lr=false"], "algo: lr is false, not a number"),
         (["rollout.workers={type: ray, resources: {CPU: 1}}"], "Ray's own resource 'CPU'"),
         (["rollout.workers={type: ray, resources: {node: 0}}"], "with a positive amount"),
         (["rollout.workers={type: ray, weight_sync: nccl}"], "weight_sync"),
