@@ -3,8 +3,9 @@
 Each call runs `python -I -S -u main.py` (isolated mode, stdlib only, unbuffered) under `bwrap`
 (`sandbox_bwrap.py`): new user, mount, PID, IPC, UTS, cgroup and network namespaces (network kept
 only with `network=True`), no capabilities, no new user namespaces, a seccomp filter (`seccomp.py`:
-kernel keyrings, inotify, file locks, socket families but three, ...), a read-only root holding only
-the interpreter, its stdlib and shared libraries, and private size-capped tmpfs mounts for `/tmp`
+kernel keyrings, inotify, file locks, sockets but unix ones without the network, ...), a read-only
+root holding only the interpreter, its stdlib and shared libraries, and private size-capped tmpfs
+mounts for `/tmp`
 (holding the working dir) and `/dev/shm`. A cgroup per call (`sandbox_cgroup.py`) caps memory and
 processes of the whole tree; rlimits cap CPU seconds, address space, file size and open files per
 process; the parent enforces the wall time and the output caps (`sandbox_process.py`). When the call
@@ -189,7 +190,8 @@ def _bwrap_launch(
     code_fd = stack.enter_context(_memfd(code.encode()))
     status_r, status_w = _pipe(stack)
     abi = native_abi()
-    seccomp_fd = stack.enter_context(_memfd(blocked_syscalls_filter(abi))) if abi else None
+    rules = blocked_syscalls_filter(abi, network=limits.network) if abi else None
+    seccomp_fd = stack.enter_context(_memfd(rules)) if rules is not None else None
     argv = bwrap_argv(
         bwrap,
         python,

@@ -1,6 +1,6 @@
 """The seccomp filter bwrap installs in the sandbox: no kernel keyrings, no inotify or dnotify,
-no file locks, sockets of three families only, no io_uring, userfaultfd, perf events or BPF, and
-only the native syscall ABI.
+no file locks, unix sockets only (inet too with the network), no io_uring, userfaultfd, perf
+events or BPF, and only the native syscall ABI.
 
 Kernel keyrings belong to no namespace bwrap unshares. Each call's new user namespace gets fresh
 keyrings, but the keys in them outlive the call until the kernel's key GC runs: without this filter,
@@ -13,10 +13,14 @@ and so does fcntl's F_NOTIFY (dnotify, the older form of the same channel). File
 kind of channel: a lock on a shared read-only file (the interpreter, a stdlib module) is seen by
 every call and by the host, and an exclusive one blocks host callers of `flock` on that file; so
 `flock` and fcntl's record-lock commands fail with EPERM. Sockets are refused by allow-list: only
-AF_UNIX, AF_INET and AF_INET6 may be created (socketpair: AF_UNIX), every other family fails with
-EAFNOSUPPORT. Families a network namespace does not cover (AF_VSOCK: without this filter, a
-sandboxed call bound a vsock port of the VM) or that talk to the kernel (netlink, packet, bluetooth,
-...) are of no use to a stdlib program, and a deny-list would miss the next family a kernel adds.
+AF_UNIX may be created, and AF_INET and AF_INET6 too with `network=True` (socketpair: AF_UNIX);
+every other family fails with EAFNOSUPPORT. Without the network, the call's own loopback is of no
+use to it, and its socket buffers are kernel memory no memory limit sees (cgroup v1 charges TCP
+buffers only with a limit of their own, and UDP never): a red team pinned 1.7 GB of host memory
+in TCP and UDP queues on that loopback from a call whose cgroup recorded 10 MB. Families a
+network namespace does not cover (AF_VSOCK: without this filter, a sandboxed call bound a vsock
+port of the VM) or that talk to the kernel (netlink, packet, bluetooth, ...) are of no use to a
+stdlib program, and a deny-list would miss the next family a kernel adds.
 io_uring, `userfaultfd`, `perf_event_open` and `bpf` are open to unprivileged processes here
 (`kernel.io_uring_disabled=0`, userfaultfd in user mode), of no use to a stdlib program, and common
 paths of kernel exploits (Docker refuses them too).
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 __all__ = [
     "ALLOWED_FAMILIES",
     "ALLOWED_PAIR_FAMILIES",
+    "NETWORK_FAMILIES",
     "REFUSED_FCNTL",
     "NativeAbi",
     "blocked_syscalls_filter",
@@ -59,9 +64,11 @@ _ALLOW = 0x7FFF0000  # SECCOMP_RET_ALLOW
 _ERRNO = 0x00050000  # SECCOMP_RET_ERRNO | errno
 _X32_BIT = 0x40000000
 
-ALLOWED_FAMILIES = frozenset({socket.AF_UNIX, socket.AF_INET, socket.AF_INET6})
-"""The only families socket(2) may create (AF_INET and AF_INET6 reach only the call's empty
-network namespace unless `network=True`); any other fails with EAFNOSUPPORT."""
+ALLOWED_FAMILIES = frozenset({socket.AF_UNIX})
+"""The only family socket(2) may create without the network; any other fails with
+EAFNOSUPPORT."""
+NETWORK_FAMILIES = frozenset({socket.AF_UNIX, socket.AF_INET, socket.AF_INET6})
+"""The families socket(2) may create with `network=True`."""
 ALLOWED_PAIR_FAMILIES = frozenset({socket.AF_UNIX})
 """The only family socketpair(2) may create; any other fails with EAFNOSUPPORT."""
 REFUSED_FCNTL = frozenset({5, 6, 7, 36, 37, 38, 1026})
@@ -143,8 +150,10 @@ def native_abi(machine: str | None = None) -> NativeAbi | None:
     return _ABIS.get(machine or platform.machine())
 
 
-def blocked_syscalls_filter(abi: NativeAbi) -> bytes:
-    """A `struct sock_filter[]` for bwrap's `--seccomp`: what the module docstring refuses."""
+def blocked_syscalls_filter(abi: NativeAbi, network: bool = False) -> bytes:
+    """A `struct sock_filter[]` for bwrap's `--seccomp`: what the module docstring refuses;
+    inet sockets only with `network`."""
+    families = NETWORK_FAMILIES if network else ALLOWED_FAMILIES
     eperm, eafnosupport = _ERRNO | errno.EPERM, _ERRNO | errno.EAFNOSUPPORT
     program: list[_Instruction | str] = [
         (_LD_W_ABS, 0, 0, _ARCH),
@@ -164,7 +173,7 @@ def blocked_syscalls_filter(abi: NativeAbi) -> bytes:
         (_RET_K, 0, 0, eperm),
         "enosys",
         (_RET_K, 0, 0, _ERRNO | errno.ENOSYS),
-        *_argument_rule("socket", 0, ALLOWED_FAMILIES, match=_ALLOW, otherwise=eafnosupport),
+        *_argument_rule("socket", 0, families, match=_ALLOW, otherwise=eafnosupport),
         *_argument_rule("socketpair", 0, ALLOWED_PAIR_FAMILIES, _ALLOW, eafnosupport),
         *_argument_rule("fcntl", 1, REFUSED_FCNTL, match=eperm, otherwise=_ALLOW),
     ]

@@ -1,6 +1,6 @@
-"""Sockets in the sandbox: only AF_UNIX, AF_INET and AF_INET6 can be created (socketpair:
-AF_UNIX); every other family the kernel knows fails with EAFNOSUPPORT, AF_VSOCK (which no network
-namespace covers) included."""
+"""Sockets in the sandbox: only AF_UNIX can be created, and AF_INET and AF_INET6 too with the
+network (socketpair: AF_UNIX); every other family the kernel knows fails with EAFNOSUPPORT,
+AF_VSOCK (which no network namespace covers) included."""
 
 from __future__ import annotations
 
@@ -17,7 +17,12 @@ import pytest
 from agent_grpo.sandbox import runner as sandbox
 from agent_grpo.sandbox.bwrap import find_bwrap
 from agent_grpo.sandbox.runner import SandboxLimits, run_sandboxed
-from agent_grpo.sandbox.seccomp import ALLOWED_FAMILIES, blocked_syscalls_filter, native_abi
+from agent_grpo.sandbox.seccomp import (
+    ALLOWED_FAMILIES,
+    NETWORK_FAMILIES,
+    blocked_syscalls_filter,
+    native_abi,
+)
 
 FAMILIES = range(64)
 """Every family number up to 64: more than any kernel's AF_MAX so far (46 in Linux 6.18)."""
@@ -58,22 +63,28 @@ def test_the_probe_covers_every_family_the_kernel_headers_list() -> None:
 
 
 @needs_bwrap
-def test_only_unix_and_inet_sockets_can_be_created_inside() -> None:
-    result = run_sandboxed(PROBE, limits=SandboxLimits(wall_time_s=10))
+@pytest.mark.parametrize("network", [False, True], ids=["isolated", "network"])
+def test_only_unix_sockets_and_with_the_network_inet_ones_can_be_created_inside(
+    network: bool,
+) -> None:
+    # without the network an inet socket reaches only the call's own loopback, whose buffers no
+    # memory limit counted: a red team held 1.7 GB of host memory in them
+    result = run_sandboxed(PROBE, limits=SandboxLimits(wall_time_s=10, network=network))
     assert result.exit_code == 0, result.stderr
     seen = json.loads(result.stdout)
     created = {key for key, outcome in seen.items() if outcome == "ok"}
-    refused = {key: outcome for key, outcome in seen.items() if not kernel_decides(key)}
+    families = NETWORK_FAMILIES if network else ALLOWED_FAMILIES
+    refused = {key: outcome for key, outcome in seen.items() if not kernel_decides(key, families)}
     assert {key: outcome for key, outcome in refused.items() if outcome != "EAFNOSUPPORT"} == {}
-    assert {"socket 1 1", "socket 2 1", "socket 2 2", "socketpair 1 1"} <= created
-    if socket.has_ipv6:
-        assert "socket 10 1" in created
+    assert {"socket 1 1", "socket 1 2", "socketpair 1 1"} <= created
+    inet = {"socket 2 1", "socket 2 2"} | ({"socket 10 1"} if socket.has_ipv6 else set())
+    assert inet <= created if network else not inet & created
 
 
-def kernel_decides(key: str) -> bool:
+def kernel_decides(key: str, families: frozenset[int]) -> bool:
     """Whether the filter lets the call through (an allowed family) for the kernel to judge."""
     call, family, _ = key.split()
-    allowed = ALLOWED_FAMILIES if call == "socket" else {socket.AF_UNIX}
+    allowed = families if call == "socket" else {socket.AF_UNIX}
     return int(family) in allowed
 
 
@@ -82,6 +93,7 @@ def test_filter_verdicts_for_socket_socketpair_fcntl_and_flock_on_both_arches() 
         abi = native_abi(machine)
         assert abi is not None
         program = blocked_syscalls_filter(abi)
+        networked = blocked_syscalls_filter(abi, network=True)
 
         def verdict(nr: int, *args: int, arch: int = abi.audit_arch, prog: bytes = program) -> int:
             return run_bpf(prog, arch, nr, args)
@@ -89,6 +101,8 @@ def test_filter_verdicts_for_socket_socketpair_fcntl_and_flock_on_both_arches() 
         for family in FAMILIES:
             wanted = ALLOW if family in ALLOWED_FAMILIES else EAFNOSUPPORT_RET
             assert verdict(abi.socket, family, 1) == wanted, (machine, family)
+            wanted = ALLOW if family in NETWORK_FAMILIES else EAFNOSUPPORT_RET
+            assert verdict(abi.socket, family, 1, prog=networked) == wanted, (machine, family)
             wanted = ALLOW if family == socket.AF_UNIX else EAFNOSUPPORT_RET
             assert verdict(abi.socketpair, family, 1) == wanted, (machine, family)
         assert verdict(abi.socket, (1 << 32) | socket.AF_VSOCK) == EAFNOSUPPORT_RET
