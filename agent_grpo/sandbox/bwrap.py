@@ -211,7 +211,9 @@ def bwrap_argv(
         args += ["--tmpfs", path, "--remount-ro", path]
     for path in _NETWORK_FILES if network else ():
         args += ["--ro-bind-try", path, path]
-    args += ["--proc", "/proc", "--dev", "/dev"]
+    # no ptys: the devpts bwrap mounts draws on the kernel's one pool of them, which one call
+    # emptied for every other (and read as a channel between concurrent calls)
+    args += ["--proc", "/proc", "--dev", "/dev", "--ro-bind", "/dev/null", "/dev/pts/ptmx"]
     args += ["--size", str(disk_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
     args += ["--size", str(disk_bytes), "--tmpfs", "/tmp", "--dir", WORKDIR]
     args += ["--file", str(code_fd), f"{WORKDIR}/main.py", "--chdir", WORKDIR]

@@ -381,6 +381,24 @@ def test_disk_is_capped_by_the_tmpfs_size() -> None:
 
 
 @needs_bwrap
+def test_no_pty_can_be_opened() -> None:
+    """The devpts bwrap mounts draws on the kernel's one pool of ptys: one call that opened
+    ptys until ENOSPC left none for any other call (or container) on the machine, and the
+    pool's count is a channel between concurrent calls."""
+    code = (
+        "import os\n"
+        "for open_one in (os.openpty, lambda: os.open('/dev/pts/ptmx', os.O_RDWR),\n"
+        "                 lambda: os.open('/dev/ptmx', os.O_RDWR)):\n"
+        "    try:\n"
+        "        open_one(); print('opened')\n"
+        "    except OSError as error:\n"
+        "        print(type(error).__name__)\n"
+    )
+    result = run_contained(code)
+    assert result.stdout.split() == ["PermissionError"] * 3, result.stderr
+
+
+@needs_bwrap
 def test_host_unix_sockets_are_unreachable() -> None:
     """Row 6: a world-writable Unix socket file on the host, and an abstract one."""
     path = Path(tempfile.gettempdir(), f"agent-grpo-test-{os.getpid()}.sock")
