@@ -32,6 +32,7 @@ __all__ = [
     "EnvListing",
     "env_spec",
     "file_kwargs",
+    "is_registered",
     "list_envs",
     "make_env",
     "register_envs",
@@ -81,6 +82,13 @@ def register_envs(force: bool = False) -> None:
             continue
         for env_id in set(gym.registry) - before:
             _plugin_ids[env_id] = entry.name
+
+
+def is_registered(env_id: str) -> bool:
+    """Whether `env_id` is an id installed code registered (the built-ins, entry points): making
+    it imports nothing it names itself, unlike a `module:Class` path or gymnasium's `module:Id`."""
+    register_envs()
+    return env_id in gym.registry
 
 
 def _is_path(id_or_path: str) -> bool:

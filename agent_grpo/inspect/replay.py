@@ -435,13 +435,24 @@ def load_run_tokenizer(run: RunWriter) -> Any:
     return load_tokenizer(name)
 
 
-def run_env_factory(run: RunWriter) -> Callable[[str], Any]:
-    """`make_env` with the run's `env.kwargs` (records keep the env id, not its kwargs)."""
-    from agent_grpo.envs.registry import make_env
+def run_env_factory(run: RunWriter, trust_code: bool = False) -> Callable[[str], Any]:
+    """`make_env` with the run's `env.kwargs` (records keep the env id, not its kwargs). Only
+    ids installed code registered, unless `trust_code`: a record's env id or the run's config
+    can name any `module:attr`, which making the env would import and call."""
+    from agent_grpo.envs.registry import is_registered, make_env
 
     env = _run_config(run).get("env") or {}
     kwargs = env.get("kwargs") or {}
-    return lambda env_id: make_env(env_id, **(kwargs if env_id == env.get("id") else {}))
+
+    def build(env_id: str) -> Any:
+        if not trust_code and not is_registered(env_id):
+            raise PermissionError(
+                f"{env_id!r} is no registered env id: building it would import and run the "
+                "code it names; pass --trust-code for a run you trust"
+            )
+        return make_env(env_id, **(kwargs if env_id == env.get("id") else {}))
+
+    return build
 
 
 def _group_arg(text: str) -> str | int:
@@ -473,6 +484,14 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--reward-max", type=float, help="only records with reward <= X")
     p.add_argument("--clip-eps", type=float, default=DEFAULT_CLIP_EPS, help="|ratio-1| flagged")
     p.add_argument("--html", type=Path, help="write a self-contained HTML page here instead")
+    p.add_argument(
+        "--trust-code",
+        action="store_true",
+        help=(
+            "--verify: also re-run envs given as `module:Class` paths (a run's records and "
+            "config name them; re-running one imports and runs that code)"
+        ),
+    )
     p.add_argument(
         "--verify",
         action="store_true",
@@ -571,7 +590,8 @@ def _verify(console: Console, run: RunWriter, args: argparse.Namespace) -> int:
     def chosen(line: StoredLine) -> bool:
         return (line.file, line.offset) in keys
 
-    report = verify_lines(lines, load_run_tokenizer(run), run_env_factory(run), chosen)
+    envs = run_env_factory(run, args.trust_code)
+    report = verify_lines(lines, load_run_tokenizer(run), envs, chosen)
     whole = args.step is None and args.group is None and args.sample is None
     whole = whole and _record_filter(args) == RecordFilter()
     by_step = {

@@ -298,7 +298,16 @@ def test_an_environment_that_cannot_be_built_is_said_once_not_as_divergences(
     run = RunWriter.create(tmp_path / "runs", run_id="r", config_text=text)
     run.write_trajectories(0, records)
 
+    # a `module:Class` id is imported only when asked: a run's records and config are not code
     code, out = _verify(run, capsys)
+    assert code == 1 and "DIVERGES" not in out
+    assert [line for line in out.splitlines() if "cannot build" in line] == [
+        "verify: cannot build environment gone_envs:MyCalculator (PermissionError: "
+        "'gone_envs:MyCalculator' is no registered env id: building it would import and run the "
+        "code it names; pass --trust-code for a run you trust): its 4 records were checked but "
+        "not re-run"
+    ]
+    code, out = _verify(run, capsys, "--trust-code")
     assert code == 1
     assert "DIVERGES" not in out
     lines = [line for line in out.splitlines() if "cannot build" in line]
