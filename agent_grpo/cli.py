@@ -8,6 +8,7 @@ import traceback
 from typing import Any
 
 from agent_grpo.config.base import ConfigError
+from agent_grpo.controls import visible
 from agent_grpo.logs import setup_logging
 
 
@@ -198,7 +199,8 @@ def _run(args: argparse.Namespace) -> int:
         # a config mistake needs no import: it is reported before torch loads
         if not isinstance(error, ConfigError) and not isinstance(error, _user_errors()):
             raise
-        print(f"error: {error}", file=sys.stderr)  # the input is wrong: one line, no traceback
+        # the input is wrong: one line, no traceback, its quoted values' controls not obeyed
+        print(f"error: {visible(str(error))}", file=sys.stderr)
         return 2
 
 

@@ -6,7 +6,17 @@ import logging
 
 from rich.logging import RichHandler
 
+from agent_grpo.controls import visible
+
 __all__ = ["get_logger", "setup_logging"]
+
+
+class _Visible(logging.Formatter):
+    """The message with control characters shown, never obeyed: warnings quote records, run
+    names and config values, which a model, a tool or a run directory's author wrote."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return visible(super().format(record))
 
 
 def setup_logging(level: str | int = "INFO") -> None:
@@ -15,7 +25,7 @@ def setup_logging(level: str | int = "INFO") -> None:
     root.setLevel(level)
     if not any(isinstance(h, RichHandler) for h in root.handlers):
         handler = RichHandler(show_path=False, rich_tracebacks=False, markup=False)
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.setFormatter(_Visible("%(message)s"))
         root.addHandler(handler)
     root.propagate = False
 

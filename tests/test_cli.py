@@ -64,3 +64,27 @@ def test_a_folder_that_holds_no_run_is_one_line(tmp_path, capsys, command: str) 
     assert cli.main([command, str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err == f"error: {tmp_path} is not a run directory (no trajectories/ or metrics)\n"
+
+
+def test_an_error_line_shows_the_controls_of_what_it_quotes(tmp_path, capsys) -> None:
+    # a config value (or a run's config, a record) quoted in the one line: shown, not obeyed
+    hostile = "\x1b]0;TITLE\x07\x1b[2J\u202e"
+    assert cli.main(["replay", str(tmp_path / hostile)]) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\u202e" not in err and "\x07" not in err
+    assert "\\x1b]0;TITLE\\x07\\x1b[2J\\u202e is not a run directory" in err
+
+
+def test_a_log_line_shows_the_controls_of_what_it_quotes() -> None:
+    import logging
+
+    from rich.logging import RichHandler
+
+    from agent_grpo.logs import setup_logging
+
+    setup_logging()
+    handlers = logging.getLogger("agent_grpo").handlers
+    handler = next(h for h in handlers if isinstance(h, RichHandler))
+    record = logging.LogRecord("agent_grpo.x", logging.WARNING, __file__, 1,
+                               "index entry of %s", ("g\x1b]52;c;eA==\x07/0",), None)  # fmt: skip
+    assert handler.format(record) == "index entry of g\\x1b]52;c;eA==\\x07/0"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,9 +24,11 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 from agent_grpo._moved import moved_names
 from agent_grpo.inspect.flags import row_flags
+from agent_grpo.inspect.visible import visible, visible_text
 from agent_grpo.run_dir.reader import AFTER_STEPS
 from agent_grpo.run_dir.writer import RunWriter
 
@@ -126,15 +129,17 @@ def metrics_table(rows: Sequence[Mapping[str, Any]], title: str = "metrics") -> 
     if any(flags):
         headers.append("flags")
         cells = [[*line, flag] for line, flag in zip(cells, flags, strict=True)]
-    lines = [[_step_label(row), *line] for row, line in zip(rows, cells, strict=True)]
-    table = Table(title=title)
+    # metric keys and odd steps come from the run directory: shown, never obeyed as terminal
+    # controls or read as rich markup
+    lines = [[visible(_step_label(row)), *map(visible, line)] for row, line in
+             zip(rows, cells, strict=True)]  # fmt: skip
+    table = Table(title=visible_text(title))
     for i, header in enumerate(headers):
         width = max((len(line[i]) for line in lines), default=1)
-        table.add_column(
-            header, justify="left" if header == "flags" else "right", no_wrap=True, min_width=width
-        )
+        table.add_column(visible_text(header), justify="left" if header == "flags" else "right",
+                         no_wrap=True, min_width=width)  # fmt: skip
     for line in lines:
-        table.add_row(*line)
+        table.add_row(*map(Text, line))
     return table
 
 
@@ -220,22 +225,34 @@ def curves_figure(rows: Sequence[Mapping[str, Any]], title: str = "") -> Any:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
             continue
         for curve in curves:
-            ax.plot(curve.steps, curve.values, marker="o", markersize=3, label=curve.label)
+            ax.plot(curve.steps, curve.values, marker="o", markersize=3, label=_label(curve.label))
         if panel == "reward":
             _std_band(ax, rows, curves[0])
         if len(curves) > 1 or panel == "reward components":
             ax.legend(fontsize="small")
-    fig.suptitle(title)
+    fig.suptitle(_label(title))
     return fig
 
 
+def _label(text: str) -> str:
+    """A name from the run directory as matplotlib text: `$` not read as mathtext (a metric
+    key `a$\\foo{$` stopped the plot), lone surrogates not passed to the font code."""
+    return visible(text).encode("utf-8", "replace").decode("utf-8").replace("$", r"\$")
+
+
 def plot_curves(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Path:
-    """Draw `curves_figure(rows)` into a PNG at `path`."""
+    """Draw `curves_figure(rows)` into a PNG at `path`: written beside it and renamed over it,
+    so a symlink there (a run directory's author put it) is replaced, never written through."""
     fig = curves_figure(rows, title)
     import matplotlib.pyplot as plt  # after `curves_figure` chose the Agg backend
 
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(partial, dpi=80, format="png")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+        plt.close(fig)
     return path
 
 
@@ -266,7 +283,7 @@ def inspect_run(path: str | Path, out: Path | None = None, console: Console | No
 def _cmd_inspect(args: argparse.Namespace) -> int:
     console = Console()
     png = inspect_run(args.run, args.out, console)
-    console.print(f"curves: {png}")
+    console.print(visible_text(f"curves: {png}"))
     return 0
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from rich.table import Table
 
 from agent_grpo.inspect.curves import format_value
+from agent_grpo.inspect.visible import visible_text
 from agent_grpo.trajectory.record import TrajectoryRecord
 
 __all__ = ["TurnDrift", "drift_table", "logprob_drift", "recompute_logprobs"]
@@ -75,7 +76,7 @@ def logprob_drift(record: TrajectoryRecord, recomputed: list[float | None]) -> l
 def drift_table(record: TrajectoryRecord, drifts: Sequence[TurnDrift]) -> Table:
     """Per-turn drift of one record as a table."""
     headers = ("turn", "tokens", "|new-sampler| mean", "max", "|new-old| mean", "max")
-    table = Table(*headers, title=f"logprob drift {record.uid}")
+    table = Table(*headers, title=visible_text(f"logprob drift {record.uid}"))
     for d in drifts:
         table.add_row(
             str(d.turn),

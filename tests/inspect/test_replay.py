@@ -389,6 +389,31 @@ def test_inspect_table_and_png(
     assert (width, height) == (1280, 480)  # 16x6 inches at 80 dpi
 
 
+HOSTILE = "\x1b]52;c;cHduZWQ=\x07\x1b[2J\u202e[link=https://evil.example]x[/link] a$\\foo{$"
+"""What a run directory's author can put in a metric key: a clipboard write, a screen clear, a
+bidi override, rich markup and matplotlib mathtext that does not parse."""
+
+
+def test_inspect_shows_a_hostile_metric_key_and_never_writes_through_a_symlink(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    run = RunWriter.create(tmp_path, run_id="r")
+    run.write_metrics(0, {"reward_mean": 0.25, f"rewards/{HOSTILE}/mean": 0.5})
+    run.write_metrics(1, {"reward_mean": 0.75, f"rewards/{HOSTILE}/mean": 0.25})
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    (run.path / "curves.png").symlink_to(victim)
+    assert inspect_cli(["inspect", str(run.path)]) == 0
+    out = capsys.readouterr().out
+    # every control shown as an escape, the markup as text; the PNG drawn (the mathtext once
+    # stopped it) beside the symlink and renamed over it, the file it pointed to left alone
+    assert "\x1b" not in out and "\u202e" not in out and "\x07" not in out
+    assert "\\x1b]52;c;cHduZWQ=\\x07\\x1b[2J\\u202e[link=https://evil.example]x[/link]" in out
+    assert victim.read_text() == "mine"
+    assert not (run.path / "curves.png").is_symlink() and _png_size(run.path / "curves.png")
+
+
 def test_metrics_table_skips_nonfinite_and_missing() -> None:
     rows = [
         {"step": 3, "clip_frac": 0.5, "kl_ref": 0.25},
