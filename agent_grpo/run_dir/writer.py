@@ -244,7 +244,7 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     for offset, line in _parse_lines(path.read_bytes(), path):
         try:
             obj = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested deeper than the parser goes: not ours
             log.warning("%s: invalid JSON line at byte %d, skipped", path, offset)
             continue
         if isinstance(obj, dict):
@@ -285,8 +285,12 @@ def _stored_line(step: int, file: str, offset: int, line: bytes, whole: bool) ->
         fields = json.loads(line)
     except ValueError as error:  # UnicodeDecodeError included
         return bad(f"torn or invalid line: not JSON ({error})")
+    except RecursionError:
+        return bad("torn or invalid line: JSON nested deeper than a record is")
     try:
         record = TrajectoryRecord.model_validate(fields)
+    except RecursionError:
+        return bad("not a valid record: nested deeper than a record is")
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(map(str, first["loc"])) or "the line"
@@ -524,10 +528,20 @@ class RunWriter:
         entries = []
         for offset, obj in read_jsonl(path):
             try:
-                entries.append(IndexEntry.model_validate(obj))
+                entry = IndexEntry.model_validate(obj)
             except ValidationError:
                 log.warning("%s: invalid index entry at byte %d, skipped", path, offset)
+                continue
+            # an entry points into its own step's file, nowhere else (`../`, `/dev/zero`)
+            if entry.file != self._relative_step_file(entry.step):
+                log.warning("%s: the index entry at byte %d names file %r, not its step's: "
+                            "skipped", path, offset, entry.file)  # fmt: skip
+                continue
+            entries.append(entry)
         return entries
+
+    def _relative_step_file(self, step: int) -> str:
+        return str(self.trajectory_file(step).relative_to(self.path))
 
     def find_entries(
         self,

@@ -398,3 +398,36 @@ def test_a_rollback_drops_metrics_rows_whose_step_is_not_a_number(tmp_path: Path
     run.rollback_to(1)  # once a TypeError
     rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
     assert rows == [{"step": 0, "reward_mean": 0.5}]
+
+
+def test_an_index_entry_naming_another_file_is_skipped(tmp_path: Path) -> None:
+    # a run directory's author can write index.jsonl: an entry pointing outside the run (or at
+    # /dev/zero) once showed that file's record, or read until memory ran out
+    outside = tmp_path / "outside.jsonl"
+    run = RunWriter.create(tmp_path, run_id="r")
+    run.write_trajectories(0, [calculator_record(step=0, group_id="g", index=0)])
+    secret = calculator_record(step=0, group_id="secret", index=0)
+    outside.write_text(secret.model_dump_json() + "\n")
+    (entry,) = run.index()
+    for file in ("../outside.jsonl", "/dev/zero"):
+        forged = entry.model_copy(update={"file": file, "uid": secret.uid, "offset": 0})
+        with open(run.path / "index.jsonl", "a") as f:
+            f.write(forged.model_dump_json() + "\n")
+    assert [e.uid for e in run.index()] == [entry.uid]
+    assert [r.group_id for r in run.find()] == ["g"]
+
+
+def test_json_nested_deeper_than_the_parser_goes_is_a_bad_line_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    run = RunWriter.create(tmp_path, run_id="r")
+    run.write_metrics(0, {"reward_mean": 0.5})
+    run.write_trajectories(0, [calculator_record(step=0, group_id="g", index=0)])
+    deep = "[" * 100_000 + "\n"
+    for name in ("metrics.jsonl", "index.jsonl", "trajectories/step_000000.jsonl"):
+        with open(run.path / name, "a") as f:
+            f.write(deep)
+    assert run.read_metrics() == [{"step": 0, "reward_mean": 0.5}]
+    assert len(run.index()) == 1
+    lines = list(run.scan_step(0))
+    assert [line.problem for line in lines][1].startswith("torn or invalid line")
