@@ -30,6 +30,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from agent_grpo.controls import visible
 from agent_grpo.inspect.baseline import GroupBaseline, group_baseline
 from agent_grpo.inspect.html_page import PAGE_CSS, PAGE_JS
 from agent_grpo.inspect.pass_at_curves import PassAtCurve
@@ -64,11 +65,16 @@ Baselines = Mapping[tuple[int, str], GroupBaseline]
 
 def _jsonable(value: Any) -> Any:
     """`value` with each non-finite float as its name ('nan', 'inf', '-inf'): JSON has no NaN,
-    and one `NaN` literal would make the page's `JSON.parse` reject the whole payload."""
+    and one `NaN` literal would make the page's `JSON.parse` reject the whole payload; and each
+    string's control and invisible characters shown as escapes, as the terminal view shows
+    them (`controls.visible`): a bidi override in a verifier's `given` reordered the fields
+    after it on the page."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, str):
+        return visible(value)
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {_jsonable(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_jsonable(v) for v in value]
     return value

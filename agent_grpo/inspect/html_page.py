@@ -144,9 +144,13 @@ const svgEl = (tag, attrs = {}, text = '') => {
 const CURVE_COLOURS = ['#1565c0', '#ef6c00', '#2e7d32', '#6a1b9a', '#c62828', '#00838f'];
 // The chart's box in SVG units: the plot inside the margins, k = 1 at the left edge.
 const CHART = {width: 360, height: 200, left: 40, right: 12, top: 10, bottom: 34};
-// Every k up to 10; past that about 8 of them, so the labels do not overlap.
-const kTicks = most => Array.from({length: most}, (_, i) => i + 1)
-  .filter(k => k === most || (k - 1) % Math.ceil(most / 8) === 0);
+// About 8 ticks, so the labels do not overlap, and the last k; counted, not filtered out of
+// every k (a recorded k of 5e9 made an array too long to exist).
+const kTicks = most => {
+  const ticks = [];
+  for (let k = 1; k <= most; k += Math.ceil(most / 8)) ticks.push(k);
+  return ticks[ticks.length - 1] === most ? ticks : [...ticks, most];
+};
 function passAtChart(curves) {
   const c = CHART, most = Math.max(...curves.flatMap(cv => cv.points.map(([k]) => k)));
   const x = k => c.left + (most === 1 ? 0.5 : (k - 1) / (most - 1)) * (c.width - c.left - c.right);
@@ -198,15 +202,17 @@ function showPassAt() {
 }
 function groupTable(groups) {
   const table = el('table', {id: 'groups'});
-  const size = Math.max(...groups.flatMap(g => g.records.map(r => r.sample))) + 1;
+  // the samples recorded, not every index up to the largest (one of 1e9 hung the page)
+  const samples = [...new Set(groups.flatMap(g => g.records.map(r => r.sample)))]
+    .sort((a, b) => a - b);
   const head = el('tr');
   head.append(el('th', {}, 'group'));
-  for (let i = 0; i < size; i++) head.append(el('th', {}, `sample ${i}: reward / adv`));
+  for (const i of samples) head.append(el('th', {}, `sample ${i}: reward / adv`));
   table.append(head);
   for (const group of groups) {
     const row = el('tr', {'data-group': group.id});
     row.append(el('td', {}, group.id));
-    for (let i = 0; i < size; i++) {
+    for (const i of samples) {
       const r = group.records.find(m => m.sample === i);
       row.append(el('td', {}, r ? `${fmt(r.reward, 3)} / ${fmt(r.advantage, 3)}` : ''));
     }

@@ -77,7 +77,10 @@ def run_pass_at_curves(run: RunWriter) -> list[PassAtCurve]:
     config = yaml.safe_load(run.config_text)
     label = "final" if isinstance(config, dict) and "steps" in config else "eval"
     for row in run.read_metrics():
-        after = int(row.get(AFTER_STEPS, row["step"]))
+        try:
+            after = int(row.get(AFTER_STEPS, row.get("step", "")))
+        except (TypeError, ValueError):  # a row edited by hand ("step": "1x"): not a curve
+            continue
         name = "in training" if is_step_row(row) else label
         curves.append(PassAtCurve(name, after, row_points(row)))
     return [curve for curve in curves if curve.points]

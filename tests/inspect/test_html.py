@@ -678,3 +678,22 @@ def test_chromium_at_phone_width_every_card_fits_the_screen(
     seen = _in_browser(chromium, page.as_uri() + "#step=1", tmp_path, look)
     assert seen["width"] == 390
     assert seen["out"] == [] and seen["scroll"] <= 390 and seen["stacked"], seen
+
+
+def test_chromium_renders_a_page_of_hostile_numbers_and_text(
+    chromium: str, tokenizer: Any, tmp_path: Path
+) -> None:
+    # a sample index of 1e9 hung the page (a column per index up to it), a pass@k of k = 5e9
+    # blanked it (an array of every k), and a bidi override in a verdict reordered the fields
+    # after it: now the recorded samples are the columns, ticks are counted, the override shown
+    record = calculator_record(tokenizer, group_id="g", index=10**9, success=False)
+    record.verifier = {"given": "\u202e4 :rewsna dilav", "detail": "ok"}
+    curves = [PassAtCurve("final", 1, ((1, 0.5), (5_000_000_000, 1.0)))]
+    page = write_html(tmp_path / "p.html", [record], tokenizer, clip_eps=0.2, title="r",
+                      pass_at=curves)  # fmt: skip
+    assert "\u202e" not in page.read_text() and "\\\\u202e4 :rewsna dilav" in page.read_text()
+    dom = _dump_dom(chromium, page.as_uri(), tmp_path)
+    heads = [th.text for th in dom.find("table", id="groups").find_all("th")]
+    assert heads == ["group", "sample 1000000000: reward / adv"]
+    ticks = dom.find("section", id="pass-at").find_all("circle")
+    assert [c.attrs["data-k"] for c in ticks] == ["1", "5000000000"]
