@@ -50,7 +50,13 @@ from agent_grpo.inspect.verify import print_report, verify_lines
 from agent_grpo.inspect.verify_run import check_run
 from agent_grpo.inspect.visible import visible, visible_text
 from agent_grpo.run_dir.manifest import run_key
-from agent_grpo.run_dir.writer import RecordFilter, RunWriter, StoredLine, select_entries
+from agent_grpo.run_dir.writer import (
+    IndexEntry,
+    RecordFilter,
+    RunWriter,
+    StoredLine,
+    select_entries,
+)
 from agent_grpo.trajectory.record import Provenance, TrajectoryRecord
 
 __all__ = [
@@ -560,11 +566,16 @@ def group_baselines(
     """Each shown group's baseline, under the run's `algo` config, over the *whole* group: a
     filter (--failed, --sample) shows some members, but the advantages used them all."""
     norm = AdvantageNorm.from_config(_run_config(run))
-    out = {}
-    for (step, group_id), members in _by_group(records).items():
-        whole = members if len(members) >= members[0].group_size else run.find(step, group_id)
-        out[step, group_id] = group_baseline(whole, norm)
-    return out
+    groups = _by_group(records)
+    # the index read once for every group shown in part, not once per group (quadratic)
+    partial = {key for key, members in groups.items() if len(members) < members[0].group_size}
+    entries: dict[tuple[int, str], list[IndexEntry]] = {key: [] for key in partial}
+    for entry in run.index() if partial else []:
+        entries.get((entry.step, entry.group_id), []).append(entry)
+    return {
+        key: group_baseline(run.records_of(entries[key]) if key in partial else members, norm)
+        for key, members in groups.items()
+    }
 
 
 def _console() -> Console:

@@ -600,7 +600,10 @@ class RunWriter:
     ) -> list[TrajectoryRecord]:
         """Records matching step/group/sample and `RecordFilter` keywords (failed, truncated,
         errors, reward_min, reward_max), each read by seeking to its line."""
-        entries = self.find_entries(step, group, sample, RecordFilter(**filters))
+        return self.records_of(self.find_entries(step, group, sample, RecordFilter(**filters)))
+
+    def records_of(self, entries: Iterable[IndexEntry]) -> list[TrajectoryRecord]:
+        """The records `entries` point at, each read by seeking to its line."""
         # One scan per file whose lines moved under the index, however many entries point there.
         scanned: dict[str, dict[str, TrajectoryRecord]] = {}
         records = (self._seek(e) or self._scan_for(e, scanned) for e in entries)

@@ -355,6 +355,32 @@ def test_cli_replay_filters_and_tokens(
     assert "no records match" in capsys.readouterr().out
 
 
+def test_replay_reads_the_index_once_for_every_group_it_shows_in_part(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each group a filter shows in part needs its whole group for the baseline: read from the
+    # index once, not once per group (20,000 records in 2,500 groups ran past 100 s)
+    run = RunWriter.create(tmp_path, run_id="r")
+    records = [
+        calculator_record(group_id=f"g{g}", index=i, reward=float(i % 2), success=i % 2 == 1)
+        for g in range(6)
+        for i in range(4)
+    ]
+    run.write_trajectories(0, records)
+    reads = []
+    index = RunWriter.index
+
+    def counted(self: RunWriter) -> list:  # type: ignore[type-arg]
+        reads.append(1)
+        return index(self)
+
+    monkeypatch.setattr(RunWriter, "index", counted)
+    assert inspect_cli(["replay", str(run.path), "--reward-min", "1"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"group g{g}" in out for g in range(6))
+    assert len(reads) == 2  # the filter's selection, then every group's baseline at once
+
+
 # inspect
 
 
