@@ -39,6 +39,12 @@ def export_run(run_path: str | Path, out: str | Path) -> Path:
     source, out = checkpoint / "model", Path(out)
     if out.exists():
         raise ConfigError(f"{out} exists; export writes a new directory")
+    # what is exported gets shared: a link in a checkpoint (its author put it there) would
+    # copy whatever it points at (~/.ssh, say) into the export
+    links = [p for p in (source, *source.rglob("*")) if p.is_symlink()]
+    if links:
+        raise ConfigError(f"{links[0]} is a symlink: export copies a checkpoint's own files, "
+                          "never what a link points at")  # fmt: skip
     load_model(source).save_pretrained(out / "model")  # merged when `source` is an adapter
     load_tokenizer(source).save_pretrained(out / "model")
     if is_adapter_dir(source):

@@ -50,3 +50,19 @@ def test_an_exported_adapter_names_its_base_by_its_public_id(
         k: v for k, v in saved.items() if k != "base_model_name_or_path"
     }
     assert (out / "model" / "config.json").is_file()
+
+
+def test_a_checkpoint_holding_a_symlink_is_not_exported(tmp_path: Path) -> None:
+    from agent_grpo.config.base import ConfigError
+
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "id_rsa").write_text("private")
+    run = RunWriter.create(tmp_path / "runs", run_id="r")
+    checkpoint = run.path / "checkpoints" / "step_000001"
+    (checkpoint / "model").mkdir(parents=True)
+    (checkpoint / "state.json").write_text(json.dumps({"step": 1}))
+    (checkpoint / "model" / "extra").symlink_to(secret)
+    with pytest.raises(ConfigError, match=r"model/extra is a symlink: export copies"):
+        export_run(run.path, tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
