@@ -8,7 +8,7 @@ file and the dotted key that is wrong.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -87,7 +87,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may repeat
+                continue
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # the safe loader's own error says what is wrong
+                break
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"the key {key!r} is set twice", key_node.start_mark

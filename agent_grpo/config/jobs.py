@@ -217,7 +217,7 @@ class RunConfig(ConfigModel):
     @classmethod
     def _a_directory_under_root(cls, name: str) -> str:
         parts = Path(name).parts
-        if not name.strip() or Path(name).is_absolute() or ".." in parts or "." in parts:
+        if not name.strip() or not parts or Path(name).is_absolute() or ".." in parts:
             raise ValueError(f"run.name {name!r} must name a directory under run.root")
         return name
 

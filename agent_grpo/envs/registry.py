@@ -88,7 +88,15 @@ def is_registered(env_id: str) -> bool:
     """Whether `env_id` is an id installed code registered (the built-ins, entry points): making
     it imports nothing it names itself, unlike a `module:Class` path or gymnasium's `module:Id`."""
     register_envs()
-    return env_id in gym.registry
+    if ":" in env_id:  # gymnasium's `module:Id` imports the module first
+        return False
+    if env_id in gym.registry:
+        return True
+    try:  # a version-less id, which `make` resolves to its highest registered version
+        namespace, name, version = parse_env_id(env_id)
+    except gym.error.Error:
+        return False
+    return version is None and find_highest_version(namespace, name) is not None
 
 
 def _is_path(id_or_path: str) -> bool:

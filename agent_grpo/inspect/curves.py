@@ -248,7 +248,7 @@ def plot_curves(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") 
 
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        fig.savefig(partial, dpi=80, format="png")
+        fig.savefig(partial, dpi=80, format=path.suffix.removeprefix(".") or "png")
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)

@@ -147,6 +147,7 @@ const CHART = {width: 360, height: 200, left: 40, right: 12, top: 10, bottom: 34
 // About 8 ticks, so the labels do not overlap, and the last k; counted, not filtered out of
 // every k (a recorded k of 5e9 made an array too long to exist).
 const kTicks = most => {
+  if (!Number.isFinite(most)) return [];
   const ticks = [];
   for (let k = 1; k <= most; k += Math.ceil(most / 8)) ticks.push(k);
   return ticks[ticks.length - 1] === most ? ticks : [...ticks, most];

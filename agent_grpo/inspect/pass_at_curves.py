@@ -48,14 +48,19 @@ class PassAtCurve:
     """(k, pass@k), k ascending, as recorded."""
 
 
+MAX_K = 2**53
+"""The largest k a pass@k point may have: the largest integer a JavaScript number holds."""
+
+
 def row_points(row: Mapping[str, Any]) -> Points:
     """(k, pass@k) of a `metrics.jsonl` row's `eval_pass_at_<k>` keys, k ascending."""
     found = [
         (int(m.group(1)), float(value))
         for key, value in row.items()
-        if (m := _ROW_KEY.fullmatch(key)) and value is not None
+        if (m := _ROW_KEY.fullmatch(key)) and isinstance(value, int | float)
     ]
-    return tuple(sorted(found))
+    # a k no page can draw (400 digits reach JavaScript as Infinity) is no point of a curve
+    return tuple(sorted((k, v) for k, v in found if k <= MAX_K))
 
 
 def state_points(result: Mapping[str, Any] | None) -> Points:

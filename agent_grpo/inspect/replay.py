@@ -456,9 +456,27 @@ def run_env_factory(run: RunWriter, trust_code: bool = False) -> Callable[[str],
                 f"{env_id!r} is no registered env id: building it would import and run the "
                 "code it names; pass --trust-code for a run you trust"
             )
-        return make_env(env_id, **(kwargs if env_id == env.get("id") else {}))
+        given = kwargs if env_id == env.get("id") else {}
+        if not trust_code and (named := _names_code(given)):
+            raise PermissionError(
+                f"the run's env.kwargs name code to run ({named}): building the env would run "
+                "it; pass --trust-code for a run you trust"
+            )
+        return make_env(env_id, **given)
 
     return build
+
+
+def _names_code(value: Any, key: str = "") -> str | None:
+    """Where `value` (a run's env kwargs) names code a built-in env would run, if anywhere: a
+    `module:attr` (custom tools, a verifiers taskset) or a server's `command`."""
+    if key in ("command", "mcp_server"):
+        return key
+    if isinstance(value, str) and ":" in value and "://" not in value:
+        return repr(value[:80])
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(
+        value, list) else ()  # fmt: skip
+    return next((found for k, v in items if (found := _names_code(v, str(k)))), None)
 
 
 def _group_arg(text: str) -> str | int:

@@ -35,6 +35,7 @@ from agent_grpo.inspect.visible import visible
 from agent_grpo.run_dir.writer import StoredLine
 from agent_grpo.trajectory.invariants import check_branch_renders, check_invariants
 from agent_grpo.trajectory.record import TrajectoryRecord
+from agent_grpo.trajectory.tokens import env_action
 
 __all__ = [
     "Divergence",
@@ -74,12 +75,18 @@ def _plain(messages: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _recorded_turns(record: TrajectoryRecord) -> list[tuple[str, list[dict[str, Any]]]]:
-    """(assistant text, the messages that follow it) for each recorded turn."""
+def _recorded_turns(
+    record: TrajectoryRecord, tokenizer: Any = None
+) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(assistant text as the env acted on it, the messages that follow it) for each recorded
+    turn; without a tokenizer, the content as recorded."""
     turns: list[tuple[str, list[dict[str, Any]]]] = []
     for message in record.messages[record.prompt_messages_count :]:
         if message.role == "assistant":
-            turns.append((message.content, []))
+            action = (
+                message.content if tokenizer is None else env_action(tokenizer, message.content)
+            )
+            turns.append((action, []))
         elif turns:
             turns[-1][1].append(message.to_template())
     return turns
@@ -94,8 +101,8 @@ def _step(env: Any, turn: int, action: str) -> tuple[Any, float, bool] | Diverge
     return observation, float(reward), bool(terminated or truncated)
 
 
-def _replay_turns(env: Any, record: TrajectoryRecord) -> Divergence | None:
-    turns = _recorded_turns(record)
+def _replay_turns(env: Any, record: TrajectoryRecord, tokenizer: Any = None) -> Divergence | None:
+    turns = _recorded_turns(record, tokenizer)
     for turn, (action, expected) in enumerate(turns):
         result = _step(env, turn, action)
         if isinstance(result, Divergence):
@@ -116,7 +123,9 @@ def _replay_turns(env: Any, record: TrajectoryRecord) -> Divergence | None:
     return None
 
 
-def verify_record(record: TrajectoryRecord, make_env: Callable[[str], Any]) -> Divergence | None:
+def verify_record(
+    record: TrajectoryRecord, make_env: Callable[[str], Any], tokenizer: Any = None
+) -> Divergence | None:
     """Re-run the env from the record's seed with its assistant texts; the first divergence.
 
     Checks the prompt, every observation, that the env ends exactly after the last turn when the
@@ -129,7 +138,7 @@ def verify_record(record: TrajectoryRecord, make_env: Callable[[str], Any]) -> D
         prompt = [m.to_template() for m in record.messages[: record.prompt_messages_count]]
         if _plain(messages) != prompt:
             return Divergence(None, "prompt", prompt, _plain(messages))
-        return _replay_turns(env, record)
+        return _replay_turns(env, record, tokenizer)
     finally:
         env.close()
 
@@ -236,9 +245,9 @@ def record_problems(line: StoredLine, tokenizer: Any) -> list[str]:
     return problems
 
 
-def _rerun(record: TrajectoryRecord, make_env: EnvFactory) -> Divergence | None:
+def _rerun(record: TrajectoryRecord, make_env: EnvFactory, tokenizer: Any) -> Divergence | None:
     try:
-        return verify_record(record, make_env)
+        return verify_record(record, make_env, tokenizer)
     except Exception as error:  # env construction or reset failing on a record's env id or seed
         return Divergence(None, "error", "the env to reset", f"{type(error).__name__}: {error}")
 
@@ -261,7 +270,7 @@ def _verdict(
         return Verdict(line, Outcome.CORRUPT, (line.problem or "unreadable",))
     problems = tuple(record_problems(line, tokenizer))
     rerun = line.record.env_id not in unbuildable
-    divergence = _rerun(line.record, make_env) if rerun else None
+    divergence = _rerun(line.record, make_env, tokenizer) if rerun else None
     if problems:
         outcome = Outcome.CORRUPT
     elif divergence is not None:

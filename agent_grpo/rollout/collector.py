@@ -393,7 +393,7 @@ def _step_env(ep: _Episode, env: gymnasium.Env[Any, Any] | None = None) -> _Step
     env = ep.env if env is None else env
     assert env is not None, "an episode in flight has its env"
     started = time.perf_counter()
-    obs, reward, terminated, truncated, info = env.step(ep.builder.actions[-1])
+    obs, reward, terminated, truncated, info = env.step(ep.builder.action(-1))
     return obs, float(reward), bool(terminated), bool(truncated), info, started
 
 

@@ -162,6 +162,8 @@ class ManifestEntry(BaseModel):
     def body(self) -> bytes:
         """The bytes the digest covers: the entry without `digest`, canonical JSON."""
         fields = self.model_dump(mode="json", exclude={"digest"})
+        if fields["piece"].get("kept") == []:  # as rollbacks were sealed before `kept` existed
+            del fields["piece"]["kept"]
         return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("ascii")
 
 

@@ -178,11 +178,12 @@ def open_run(config: TrainConfig, resume: bool) -> RunWriter:
     # never mix two runs' records in one directory: a name in use takes a timestamp
     run = RunWriter.create_fresh(config.run.root, config.run.name,
                                  lambda taken: dump_config(named(config, taken)))  # fmt: skip
-    if run.run_id != config.run.name:
+    taken = str(run.path.relative_to(config.run.root))  # `sweep/a` stays `sweep/a`
+    if taken != config.run.name:
         log.warning("%s/%s exists; writing this run to %s (resume it with --resume "
                     "run.name=%s)", config.run.root, config.run.name, run.path,
-                    run.run_id)  # fmt: skip
-        config.run.name = run.run_id  # records name the run they are in
+                    taken)  # fmt: skip
+        config.run.name = taken  # records name the run they are in
     return run
 
 

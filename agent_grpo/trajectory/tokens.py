@@ -71,6 +71,7 @@ __all__ = [
     "count_lengths",
     "encode_plain",
     "encode_template",
+    "env_action",
     "render_branch",
     "segment_conversation",
     "special_ids",
@@ -157,6 +158,17 @@ def turn_text(
     text = tokenizer.decode(ids, skip_special_tokens=False)
     assert isinstance(text, str)
     return valid_text(text)
+
+
+def env_action(tokenizer: PreTrainedTokenizerBase, content: str) -> str:
+    """A recorded turn's content as the env acted on it (`TokenBuilder.actions`): without the
+    text of a stop id that is not the turn end (an EOS such as `<|endoftext|>`) at its end."""
+    turn_end = turn_end_ids(tokenizer)
+    for stop in set(turn_end.stop_ids) - {turn_end.id}:
+        text = tokenizer.decode([stop], skip_special_tokens=False)
+        if isinstance(text, str) and text and content.endswith(text):
+            return content[: -len(text)]
+    return content
 
 
 def _drop_turn_end(ids: list[int], turn_end: int, template: str) -> list[int]:

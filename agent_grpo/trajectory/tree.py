@@ -190,19 +190,20 @@ class TokenBuilder:
         self._spans.append(span)
         return span
 
-    @property
-    def actions(self) -> list[str]:
-        """The text of each sampled turn as an env acts on it: its content without the stop id
-        it ended on when that is not the turn end (a tokenizer's EOS, `<|endoftext|>` under a
+    def action(self, turn: int) -> str:
+        """Sampled turn `turn`'s text as an env acts on it: its content without the stop id it
+        ended on when that is not the turn end (a tokenizer's EOS, `<|endoftext|>` under a
         ChatML template, Gemma's `<eos>`). The content keeps that id's text: the history renders
         it back to the ids sampled; a verifier comparing answers must not see it."""
-        stops = set(self.turn_end.stop_ids) - {self.turn_end.id}
-        return [
-            turn_text(self._tok, ids[:-1], self.turn_end.id)
-            if ids and ids[-1] in stops
-            else self._spans[turn].model_text
-            for turn, ids in enumerate(self._sampled)
-        ]
+        ids = self._sampled[turn]
+        if ids and ids[-1] in set(self.turn_end.stop_ids) - {self.turn_end.id}:
+            return turn_text(self._tok, ids[:-1], self.turn_end.id)
+        return self._spans[turn].model_text
+
+    @property
+    def actions(self) -> list[str]:
+        """`action` of every sampled turn, in order."""
+        return [self.action(turn) for turn in range(len(self._sampled))]
 
     def add_observations(self, messages: Sequence[Message]) -> None:
         """Append the messages that came back after a model turn (tool results, the user)."""

@@ -93,6 +93,7 @@ VLLM_WORKERS = ["rollout.workers={type: ray}", "rollout.backend={type: vllm}"]
         (["distributed.timeout_s=-1"], "distributed.timeout_s"),
         (["run.name="], "run.name '' must name a directory under run.root"),
         (["run.name=../elsewhere"], "must name a directory under run.root"),
+        (["run.name=."], "run.name '.' must name a directory under run.root"),
         (["steps=true"], "steps is true, not a number"),  # pydantic's lax mode: one step
         (["algo.lr=false"], "algo: lr is false, not a number"),
         (["rollout.workers={type: ray, resources: {CPU: 1}}"], "Ray's own resource 'CPU'"),
@@ -196,6 +197,10 @@ def test_a_config_file_that_does_not_read_as_one_mapping_is_one_line(
     with pytest.raises(ConfigError, match=r"is a directory$"):
         load_config(TrainConfig, tmp_path)
     assert load_config(TrainConfig, write(tmp_path / "defaults.yaml", "{}")).steps >= 0
+    # a YAML merge (`<<: *anchor`) may repeat the keys it merges: that is what it is for
+    merged = "rollout:\n  sampling: &s {max_tokens: 16, temperature: 1.0}\n" \
+             "eval: {<<: *s, max_tokens: 8}\n"  # fmt: skip
+    assert load_config(TrainConfig, write(tmp_path / "merged.yaml", merged)).eval is not None
 
 
 def write(path, text: str):  # type: ignore[no-untyped-def]

@@ -697,3 +697,11 @@ def test_chromium_renders_a_page_of_hostile_numbers_and_text(
     assert heads == ["group", "sample 1000000000: reward / adv"]
     ticks = dom.find("section", id="pass-at").find_all("circle")
     assert [c.attrs["data-k"] for c in ticks] == ["1", "5000000000"]
+
+
+def test_a_k_no_page_can_draw_is_no_point() -> None:
+    from agent_grpo.inspect.pass_at_curves import row_points
+
+    # 400 digits reach the page's JavaScript as Infinity, and its tick loop never ended
+    row = {"eval_pass_at_1": 0.25, f"eval_pass_at_{'9' * 400}": 0.5, "eval_pass_at_2": "x"}
+    assert row_points(row) == ((1, 0.25),)

@@ -319,3 +319,29 @@ def test_an_environment_that_cannot_be_built_is_said_once_not_as_divergences(
         "verified 4 records: ok 0, diverged 0, corrupt 0, duplicated 0, unverifiable 0, "
         "not re-run 4; incomplete groups 0"
     )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"mcp_server": {"command": ["sh", "-c", "touch {marker}"]}}, {"tools": ["os:system"]}],
+    ids=["server-command", "module-attr"],
+)
+def test_a_registered_env_whose_run_kwargs_name_code_needs_trust_code(
+    tmp_path: Path, kwargs: dict[str, Any]
+) -> None:
+    # a built-in env builds what its kwargs name: a run's config could start any command
+    import yaml
+
+    from agent_grpo.inspect.replay import run_env_factory
+
+    marker = tmp_path / "ran"
+    given = json.loads(json.dumps(kwargs).replace("{marker}", str(marker)))
+    config = {"env": {"id": "agent_grpo/Dataset-v0", "kwargs": given}}
+    run = RunWriter.create(tmp_path / "runs", run_id="r", config_text=yaml.safe_dump(config))
+    with pytest.raises(PermissionError, match=r"the run's env.kwargs name code to run \("):
+        run_env_factory(run)("agent_grpo/Dataset-v0")
+    assert not marker.exists()
+    # and a registered env with plain kwargs builds as before
+    plain = RunWriter.create(tmp_path / "runs", run_id="p", config_text=yaml.safe_dump(
+        {"env": {"id": "agent_grpo/Calculator-v0", "kwargs": {"max_turns": 2}}}))  # fmt: skip
+    assert run_env_factory(plain)("agent_grpo/Calculator-v0").unwrapped.max_turns == 2

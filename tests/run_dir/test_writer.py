@@ -431,3 +431,17 @@ def test_json_nested_deeper_than_the_parser_goes_is_a_bad_line_not_a_crash(
     assert len(run.index()) == 1
     lines = list(run.scan_step(0))
     assert [line.problem for line in lines][1].startswith("torn or invalid line")
+
+
+def test_a_rollback_entry_sealed_before_kept_existed_still_verifies() -> None:
+    # rollbacks of older runs were sealed without `kept`: re-dumping them must give the same
+    # bytes, or every resumed older run fails its own `replay --verify`
+    from agent_grpo.run_dir.manifest import ManifestEntry, digest_of
+
+    old = {"piece": {"kind": "rollback", "step": 3}, "prev": "genesis", "seq": 5}
+    body = json.dumps(old, sort_keys=True, separators=(",", ":")).encode("ascii")
+    entry = ManifestEntry.model_validate({**old, "digest": digest_of(body, None)})
+    assert digest_of(entry.body(), None) == entry.digest
+    kept = {**old, "piece": {"kind": "rollback", "step": 3, "kept": ["ab"]}}
+    entry = ManifestEntry.model_validate({**kept, "digest": "x"})
+    assert b'"kept":["ab"]' in entry.body()  # a rollback that kept rows says so in its digest

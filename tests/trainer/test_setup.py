@@ -31,9 +31,11 @@ def test_a_run_whose_name_is_taken_takes_a_timestamp_that_its_config_names(tmp_p
     first = open_run(config, resume=False)
     again = TrainConfig.model_validate({"run": {"root": str(tmp_path), "name": "exp"}})
     second = open_run(again, resume=False)
-    third = open_run(TrainConfig.model_validate(again.model_dump()), resume=False)
+    fresh = {"run": {"root": str(tmp_path), "name": "exp"}}
+    third = open_run(TrainConfig.model_validate(fresh), resume=False)
     assert first.run_id == "exp" and second.run_id.startswith("exp-")
     assert third.run_id not in ("exp", second.run_id)  # the same second: another suffix
+    assert third.run_id.count("-") <= second.run_id.count("-") + 1  # a suffix, not a second stamp
     # the stored config names the directory taken, so `--resume run.name=<it>` finds it, and
     # the run's records (which name their run) use it too
     stored = yaml.safe_load((second.path / "config.yaml").read_text())
@@ -53,3 +55,19 @@ def test_a_run_root_that_is_a_file_is_one_line(tmp_path) -> None:
     config = TrainConfig.model_validate({"run": {"root": str(tmp_path / "file")}})
     with pytest.raises(ConfigError, match="is not a directory"):
         open_run(config, resume=False)
+
+
+def test_a_nested_run_name_keeps_its_folders(tmp_path) -> None:
+    import yaml
+
+    from agent_grpo.trainer.setup import open_run
+
+    config = TrainConfig.model_validate({"run": {"root": str(tmp_path), "name": "sweep/a"}})
+    run = open_run(config, resume=False)
+    assert run.path == tmp_path / "sweep" / "a" and config.run.name == "sweep/a"
+    again = TrainConfig.model_validate({"run": {"root": str(tmp_path), "name": "sweep/a"}})
+    second = open_run(again, resume=False)
+    assert second.path.parent == tmp_path / "sweep" and again.run.name.startswith("sweep/a-")
+    assert yaml.safe_load((second.path / "config.yaml").read_text())["run"]["name"] == (
+        again.run.name
+    )

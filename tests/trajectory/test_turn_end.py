@@ -21,7 +21,7 @@ from agent_grpo.testing.reference_tokens import render_reference
 from agent_grpo.trainer.warm_start import expert_record
 from agent_grpo.trajectory.invariants import check_branch_renders, check_invariants
 from agent_grpo.trajectory.record import Message
-from agent_grpo.trajectory.tokens import ChatTemplateError, TurnEnd, turn_end_ids
+from agent_grpo.trajectory.tokens import ChatTemplateError, TurnEnd, env_action, turn_end_ids
 from agent_grpo.trajectory.tree import TokenBuilder
 
 IM_END, ENDOFTEXT = 2, 0
@@ -117,6 +117,8 @@ def test_a_sampled_eos_that_is_not_the_turn_end_is_content(
     # what the env acts on is the model's words: an exact-match verifier once saw "5<eos>"
     again = builder.add_model_turn([*tok.encode("6", add_special_tokens=False), turn_end], [-1, -1])
     assert builder.actions == ["5", "6"] and again.model_text == "6"
+    # and `replay --verify` re-runs the env on the same words, from the recorded text
+    assert [env_action(tok, m.content) for m in builder.messages[2::2]] == ["5", "6"]
 
 
 def test_a_template_closing_turns_unlike_how_they_ended_forks(

@@ -437,17 +437,16 @@ REASONING_OPEN, REASONING_CLOSE = "<think>", "</think>"
 
 def after_reasoning(text: str) -> str:
     """A turn's text after its reasoning, where its calls are (what vLLM's Qwen3 and DeepSeek-R1
-    reasoning parsers hand the tool parser): after the first `</think>`; nothing for a turn that
-    opens `<think>` and never closes it (cut off while reasoning); else the whole text.
+    reasoning parsers hand the tool parser once the reasoning is closed): after the first
+    `</think>`; the whole text when the turn closes no reasoning.
 
-    A call a model writes while it reasons (an example, a plan) is not a call. Two cases this
-    cannot tell apart, as those parsers cannot: a template that opens the reasoning in its
-    generation prompt (Qwen3-Thinking-2507, DeepSeek-R1) and a turn cut off before `</think>`
-    (its text reads as an answer), and a model without reasoning writing `</think>` itself."""
+    A call a model mentions or drafts in reasoning it then closes is not a call. A turn whose
+    reasoning never closes keeps its calls: the call's stop string (`</tool_call>`) ends a turn
+    that calls from inside `<think>` before any `</think>`, as Qwen3.5-style models do, and
+    dropping those calls would end the episode on an empty answer. A model without reasoning
+    that writes `</think>` has the text before it ignored."""
     _, close, tail = text.partition(REASONING_CLOSE)
-    if close:
-        return tail
-    return "" if text.lstrip().startswith(REASONING_OPEN) else text
+    return tail if close else text
 
 
 def parse_tool_calls(

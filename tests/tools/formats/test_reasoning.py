@@ -1,5 +1,5 @@
-"""Calls are read after a turn's reasoning (`after_reasoning`): a reasoning model (Qwen3,
-DeepSeek-R1) that mentions or drafts a call while it thinks has made no call."""
+"""Calls are read after a turn's closed reasoning (`after_reasoning`): a reasoning model (Qwen3,
+DeepSeek-R1) that mentions or drafts a call in reasoning it then closes has made no call."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}
         ("Answer: 5", "Answer: 5"),  # no reasoning: all of it
         ("<think>\nplan\n</think>\n\nAnswer: 5", "\n\nAnswer: 5"),
         ("plan\n</think>\n\nAnswer: 5", "\n\nAnswer: 5"),  # the prompt opened the reasoning
-        ("<think>\nI will call <tool_call>{...", ""),  # cut off while reasoning
-        ("  \n<think>\nstill thinking", ""),
+        # a turn whose reasoning never closes keeps its calls: `</tool_call>` ends a turn that
+        # calls from inside `<think>` before any `</think>`
+        ("<think>\nI will call <tool_call>{...}</tool_call>",
+         "<think>\nI will call <tool_call>{...}</tool_call>"),
         # the first close ends the reasoning; a later one is text of the answer (or a call's)
         ("a</think>b</think>c", "b</think>c"),
         # `<think>` that does not open the turn is text, not reasoning: a call's argument
@@ -43,6 +45,15 @@ def test_a_call_mentioned_while_reasoning_is_not_a_malformed_call() -> None:
     assert terminated and reward == 0.0 and step.end_reason == "final_answer"
     assert step.malformed_tool_calls == 0 and step.verifier is not None
     assert step.verifier["given"] == "5"
+
+
+def test_a_call_from_inside_unclosed_reasoning_runs() -> None:
+    # the stop string ends the turn at the call's close, before any `</think>`
+    env = make_env("agent_grpo/Calculator-v0")
+    env.reset(seed=3)
+    observations, _, terminated, _, info = env.step(f"<think>\nadd them\n{CALL}")
+    assert not terminated and len(read_step_info(info).tool_calls) == 1
+    assert "5" in observations[0]["content"]
 
 
 def test_a_call_drafted_while_reasoning_is_not_run_and_the_one_after_it_is() -> None:
