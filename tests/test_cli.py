@@ -60,13 +60,17 @@ def test_train_takes_overrides_on_either_side_of_resume(argv: list[str]) -> None
 
 
 @pytest.mark.parametrize("command", ["replay", "inspect", "export"])
-def test_a_folder_that_holds_no_run_is_one_line(tmp_path, capsys, command: str) -> None:
+def test_a_folder_that_holds_no_run_is_one_line(
+    tmp_path, capsys, command: str, cli_logging: None
+) -> None:
     assert cli.main([command, str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err == f"error: {tmp_path} is not a run directory (no trajectories/ or metrics)\n"
 
 
-def test_an_error_line_shows_the_controls_of_what_it_quotes(tmp_path, capsys) -> None:
+def test_an_error_line_shows_the_controls_of_what_it_quotes(
+    tmp_path, capsys, cli_logging: None
+) -> None:
     # a config value (or a run's config, a record) quoted in the one line: shown, not obeyed
     hostile = "\x1b]0;TITLE\x07\x1b[2J\u202e"
     assert cli.main(["replay", str(tmp_path / hostile)]) == 2
@@ -75,7 +79,7 @@ def test_an_error_line_shows_the_controls_of_what_it_quotes(tmp_path, capsys) ->
     assert "\\x1b]0;TITLE\\x07\\x1b[2J\\u202e is not a run directory" in err
 
 
-def test_a_log_line_shows_the_controls_of_what_it_quotes() -> None:
+def test_a_log_line_shows_the_controls_of_what_it_quotes(cli_logging: None) -> None:
     import logging
 
     from rich.logging import RichHandler

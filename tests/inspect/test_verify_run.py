@@ -309,7 +309,7 @@ def test_a_prune_killed_half_way_is_finished_on_resume(
 
 @pytest.mark.slow
 def test_a_resume_never_deletes_the_newest_checkpoint_that_lost_a_file(
-    run: Path, capsys: pytest.CaptureFixture[str], tiny_model_dir: Path
+    run: Path, capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, cli_logging: None
 ) -> None:
     # a prune never touches the newest checkpoint: a file gone from it went some other way (a
     # user saving disk space), and the rest is left for the user; the resume refuses in one line
@@ -332,7 +332,7 @@ def test_a_resume_never_deletes_the_newest_checkpoint_that_lost_a_file(
 
 @pytest.mark.slow
 def test_training_a_finished_run_further_keeps_its_final_evaluation(
-    run: Path, capsys: pytest.CaptureFixture[str], tiny_model_dir: Path
+    run: Path, capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, cli_logging: None
 ) -> None:
     # the evaluation of the 3-step policy is a record of that policy: a resume that trains on
     # to 4 steps keeps it (it once dropped it with the rows after the checkpoint), the manifest
