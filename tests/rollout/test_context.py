@@ -3,6 +3,8 @@ outputs do not all fit, collected under each: `stop` truncates, the others fork 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
@@ -24,7 +26,7 @@ from agent_grpo.rollout.context import (
 )
 from agent_grpo.testing.backends import ScriptedBackend
 from agent_grpo.trajectory.invariants import check_branch_renders
-from agent_grpo.trajectory.record import Message
+from agent_grpo.trajectory.record import Message, TrajectoryRecord
 
 SYSTEM, USER = Message(role="system", content="s"), Message(role="user", content="q")
 CONVERSATION = [
@@ -139,6 +141,27 @@ def test_logs_episodes_under_each_policy(tokenizer: PreTrainedTokenizerBase, pol
     assert sum(m.content.startswith("errors: ") for m in record.messages) == 3
 
 
+def logs_episode(
+    backend: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    context: dict[str, Any],
+    max_context: int,
+    max_tokens: int,
+) -> TrajectoryRecord:
+    """One scripted Logs-v0 episode under a context policy, checked to render and to end on its
+    answer after its four turns."""
+    rollout = RolloutConfig.model_validate(
+        {"group_size": 1, "max_context_tokens": max_context, "context": context,
+         "sampling": SamplingConfig(max_tokens=max_tokens), "check_renders": True}
+    )  # fmt: skip
+    result = collect_groups([Task(env_id="agent_grpo/Logs-v0", seed=1)], backend, tokenizer,
+                            CollectOptions.from_config(rollout))  # fmt: skip
+    record = result.records[0]
+    check_branch_renders(record, tokenizer)
+    assert record.termination.reason == "final_answer" and len(record.turns) == 4
+    return record
+
+
 @pytest.mark.parametrize("template", [THINKING_PROMPT, QWEN3_STYLE], ids=["thinking", "qwen3"])
 def test_compaction_under_templates_that_rewrite_assistant_turns(
     tokenizer: PreTrainedTokenizerBase, template: str
@@ -150,20 +173,7 @@ def test_compaction_under_templates_that_rewrite_assistant_turns(
     opened = "" if template == THINKING_PROMPT else "<think>\n"  # that one opens it itself
     turns = [f"{opened}read it\n</think>\n\n{call}" for call in READS]
     backend = ScriptedBackend(tok, [*turns, f"{opened}count\n</think>\n\nAnswer: 3"])
-    rollout = RolloutConfig.model_validate(
-        {
-            "group_size": 1,
-            "max_context_tokens": 800,
-            "context": {"type": "compact", "keep_last": 0},
-            "sampling": SamplingConfig(max_tokens=64),
-            "check_renders": True,
-        }
-    )
-    result = collect_groups([Task(env_id="agent_grpo/Logs-v0", seed=1)], backend, tok,
-                            CollectOptions.from_config(rollout))  # fmt: skip
-    record = result.records[0]
-    check_branch_renders(record, tok)
-    assert record.termination.reason == "final_answer" and len(record.turns) == 4
+    record = logs_episode(backend, tok, {"type": "compact", "keep_last": 0}, 800, 64)
     compacted = [m for f in record.forks for m in f.messages if m.content == COMPACTED]
     assert compacted, "some compaction covered two outputs or more"
 
@@ -190,20 +200,8 @@ def test_the_policy_writes_the_summary_of_the_outputs_it_replaces(
     tokenizer: PreTrainedTokenizerBase,
 ) -> None:
     backend = SummarizingBackend(tokenizer, [*READS, "Answer: 3"], "svc-7-0 had 1 error")
-    rollout = RolloutConfig.model_validate(
-        {
-            "group_size": 1,
-            "max_context_tokens": 1100,
-            "context": {"type": "compact", "summarizer": "policy", "summary_max_tokens": 24},
-            "sampling": SamplingConfig(max_tokens=40),
-            "check_renders": True,
-        }
-    )
-    result = collect_groups([Task(env_id="agent_grpo/Logs-v0", seed=1)], backend, tokenizer,
-                            CollectOptions.from_config(rollout))  # fmt: skip
-    record = result.records[0]
-    check_branch_renders(record, tokenizer)
-    assert record.termination.reason == "final_answer" and len(record.turns) == 4
+    policy = {"type": "compact", "summarizer": "policy", "summary_max_tokens": 24}
+    record = logs_episode(backend, tokenizer, policy, 1100, 40)
     text, sampling = backend.requests[0]
     assert "[tool output 1]" in text and "errors: " in text  # the outputs being replaced
     assert sampling.temperature == 0 and sampling.max_tokens == 24
