@@ -474,9 +474,16 @@ def _names_code(value: Any, key: str = "") -> str | None:
         return key
     if isinstance(value, str) and ":" in value and "://" not in value:
         return repr(value[:80])
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(
-        value, list) else ()  # fmt: skip
-    return next((found for k, v in items if (found := _names_code(v, str(k)))), None)
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list):
+        items = list(enumerate(value))
+    else:
+        return None
+    for inner_key, inner in items:
+        if found := _names_code(inner, str(inner_key)):
+            return found
+    return None
 
 
 def _group_arg(text: str) -> str | int:
